@@ -1,0 +1,47 @@
+# clef-export entry points. Every target sets up what it needs and is a no-op when nothing changed.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+AUTHOR := .cache/author/joint_schema_model.py
+SYNTH := .cache/synth/real-seed0
+RECIPE := conversion/head_bucket_fp16w32.toml
+BUNDLE := build/clef_flash_head_bucket_fp16w32
+SOURCES := $(wildcard clef_flash/*.py) $(RECIPE)
+
+.PHONY: setup build test verify bench clean
+
+setup: $(STAMP) $(AUTHOR)
+
+# torch first, pinned: the CPU build on disk, never a multi-GB download.
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+# The author's joint_schema_model.py, from the clef-finetune wheel, sha256-checked. Never committed.
+$(AUTHOR): $(STAMP)
+	$(BIN)/clef-export author-code --out $@
+
+# A synthetic snapshot at the real head configuration (random bf16 weights, seed 0).
+$(SYNTH)/pins.json: $(AUTHOR) | $(STAMP)
+	$(BIN)/clef-export synth $(SYNTH) --config real --seed 0 --author-code $(AUTHOR) --overwrite
+
+$(BUNDLE)/metadata.json: $(SYNTH)/pins.json $(SOURCES)
+	$(BIN)/clef-export build $(RECIPE) --source $(SYNTH) --pins $(SYNTH)/pins.json --out build --overwrite
+
+build: setup $(BUNDLE)/metadata.json
+
+verify: build
+	$(BIN)/clef-export verify $(BUNDLE) --source $(SYNTH) --pins $(SYNTH)/pins.json
+
+test: setup
+	CLEF_AUTHOR_CODE=$(AUTHOR) $(BIN)/python -m pytest -q -ra
+
+bench: build
+	$(BIN)/python benchmarks/bench.py --source $(SYNTH) --pins $(SYNTH)/pins.json
+
+clean:
+	rm -rf build dist .cache .pytest_cache

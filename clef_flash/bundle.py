@@ -1,0 +1,211 @@
+"""Atomic outputs: temp sibling on the same file system, fsync, rename; tree hashes; a lock.
+
+A bundle appears complete or not at all. ``staged_dir`` builds into ``.<name>.tmp-<pid>-<rand>``
+next to the final path and swaps it in with one rename (RENAME_EXCHANGE where the kernel has it,
+so ``--overwrite`` never leaves the final path holding a partial bundle).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+_TMP_TAG = ".tmp-"
+_OLD_TAG = ".old-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a fsynced temp sibling and a rename (never follows a symlink)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_symlink():
+        raise UsageError(f"{path}: refusing to write through a symlink")
+    tmp = path.with_name(f".{path.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def dumps_json(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, dumps_json(obj))
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale(final: Path) -> list[Path]:
+    """Remove temp / old siblings of ``final`` left by a run that no longer exists."""
+    removed = []
+    parent = final.parent
+    if not parent.is_dir():
+        return removed
+    for p in parent.iterdir():
+        for tag in (_TMP_TAG, _OLD_TAG):
+            prefix = f".{final.name}{tag}"
+            if p.name.startswith(prefix):
+                pid_text = p.name[len(prefix) :].split("-", 1)[0]
+                if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                    if p.is_dir() and not p.is_symlink():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        p.unlink(missing_ok=True)
+                    removed.append(p)
+    return removed
+
+
+def _rename_exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    AT_FDCWD, RENAME_EXCHANGE = -100, 2
+    rc = fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def check_output_path(final: Path, overwrite: bool) -> None:
+    """Refuse symlinks, existing bundles without ``--overwrite``, unwritable parents — before work."""
+    if final.is_symlink():
+        raise UsageError(f"{final}: output path is a symlink; refusing to follow it")
+    if final.exists() and not overwrite:
+        raise UsageError(f"{final}: already exists; pass --overwrite to replace it")
+    parent = final.parent
+    for p in [parent, *parent.parents]:
+        if p.is_symlink() and p == parent:
+            break
+        if p.exists():
+            if not p.is_dir():
+                raise UsageError(f"{p}: not a folder")
+            break
+    # root ignores permission bits, so probe by creating a file rather than trusting os.access.
+    probe_root = parent if parent.exists() else next(p for p in parent.parents if p.exists())
+    probe = probe_root / f".{final.name}.probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{probe_root}: output folder is not writable ({exc.strerror})") from None
+
+
+@contextlib.contextmanager
+def output_lock(final: Path) -> Iterator[None]:
+    """One writer per output path: a second concurrent build gets a clear error at once."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = final.parent / f".{final.name}.lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"{final}: another build is writing this output (lock {lock_path.name})") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def staged_dir(final: Path, overwrite: bool) -> Iterator[Path]:
+    """Yield a temp sibling folder; on success it replaces ``final`` in one step, else vanishes."""
+    final = Path(final)
+    sweep_stale(final)
+    tmp = final.with_name(f".{final.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        if final.exists() or final.is_symlink():
+            if final.is_symlink() or not overwrite:
+                raise UsageError(f"{final}: appeared during the build; not replacing it")
+            if not _rename_exchange(tmp, final):
+                old = final.with_name(f".{final.name}{_OLD_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+                os.rename(final, old)
+                os.rename(tmp, final)
+                tmp = old
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def tree_files(root: Path) -> dict[str, str]:
+    """Every regular file under ``root`` (relative POSIX path -> sha256), sorted."""
+    root = Path(root)
+    out: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            out[p.relative_to(root).as_posix()] = "symlink"
+        elif p.is_file():
+            out[p.relative_to(root).as_posix()] = file_sha256(p)
+    return out
+
+
+def tree_hash(root: Path) -> str:
+    lines = "".join(f"{k}\0{v}\n" for k, v in tree_files(root).items())
+    return hashlib.sha256(lines.encode()).hexdigest()

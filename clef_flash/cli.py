@@ -1,0 +1,299 @@
+"""The ``clef-export`` command line. Each command resolves its options into a frozen config and
+calls one library function; heavy imports (torch, coreai) happen inside commands, so ``--help``
+is instant. Progress goes to stderr; stdout stays clean for ``--json``.
+
+Exit codes: 0 ok, 1 unexpected, 2 usage, 3 integrity, 4 numeric validation, 5 toolchain missing.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import ClefError, UsageError
+
+PINS_DEFAULT = Path(__file__).resolve().parent.parent / "manifests" / "clef-flash.source.json"
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Export Cloudflare's clef-flash joint schema head to an Apple Core AI asset, and prove it.",
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, highlight=False, soft_wrap=True)  # errors stay one line, unwrapped
+_state = {"verbose": False}
+
+
+@app.callback()
+def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show tracebacks on errors.")] = False) -> None:
+    _state["verbose"] = verbose
+
+
+def _run(fn: Callable[[], Any]) -> Any:
+    """Map errors to one line and an exit code."""
+    try:
+        return fn()
+    except ClefError as exc:
+        if _state["verbose"]:
+            err.print_exception()
+        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
+    except KeyboardInterrupt:
+        err.print("[bold red]interrupted[/]: nothing was written")
+        raise typer.Exit(130) from None
+    except typer.Exit:
+        raise
+    except Exception as exc:  # unexpected: one line unless --verbose
+        if _state["verbose"]:
+            err.print_exception()
+        err.print(f"[bold red]unexpected error:[/] {type(exc).__name__}: {exc} (rerun with --verbose)", soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def _log(msg: str) -> None:
+    err.print(f"[dim]·[/] {msg}", soft_wrap=True)
+
+
+def _emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2) + "\n")
+
+
+PinsOpt = Annotated[Path, typer.Option("--pins", help="Pins file: hf_id, revision, file -> sha256.")]
+SourceOpt = Annotated[Optional[Path], typer.Option("--source", help="Snapshot folder (default: the pinned revision in the HF cache).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
+
+
+@app.command("author-code")
+def author_code(
+    out: Annotated[Path, typer.Option("--out", help="Where to write joint_schema_model.py (git-ignored).")] = Path(".cache/author/joint_schema_model.py"),
+) -> None:
+    """Obtain the author's joint_schema_model.py from the clef-finetune==0.1.0 wheel, sha256-checked."""
+    from .author import obtain_author_code
+
+    path = _run(lambda: obtain_author_code(out))
+    err.print(f"author code: {path} (sha256 verified)")
+
+
+@app.command()
+def fetch(
+    pins: PinsOpt = PINS_DEFAULT,
+    revision: Annotated[Optional[str], typer.Option("--revision", help="Commit to fetch (default: the pinned one).")] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="huggingface_hub cache folder.")] = None,
+    local_dir: Annotated[Optional[Path], typer.Option("--local-dir", help="Download into this folder instead of the cache.")] = None,
+    allow_unpinned: Annotated[bool, typer.Option("--allow-unpinned", help="Allow a revision other than the pinned commit.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Download the head's pinned files by commit (HF_HOME, HF_ENDPOINT, HF_HUB_OFFLINE honoured)."""
+    from .pins import load_pins
+    from .source import fetch as do_fetch
+
+    if cache_dir and local_dir:
+        err.print("[bold red]error:[/] give --cache-dir or --local-dir, not both")
+        raise typer.Exit(2)
+
+    def go():
+        p = load_pins(pins)
+        return p, do_fetch(p, revision=revision, cache_dir=cache_dir, local_dir=local_dir, allow_unpinned=allow_unpinned)
+
+    p, folder = _run(go)
+    if json_out:
+        _emit_json({"hf_id": p.hf_id, "revision": revision or p.revision, "folder": str(folder), "files": sorted(p.files)})
+    else:
+        err.print(f"fetched {len(p.files)} files of {p.hf_id}@{(revision or p.revision)[:12]} into {folder}")
+        sys.stdout.write(f"{folder}\n")
+
+
+@app.command("verify-hashes")
+def verify_hashes(source: SourceOpt = None, pins: PinsOpt = PINS_DEFAULT, json_out: JsonOpt = False) -> None:
+    """Streaming sha256 of every pinned file against the pins; exit 3 on a mismatch or a missing file."""
+    from .pins import load_pins
+    from .source import check_source, resolve_source
+
+    def go():
+        p = load_pins(pins)
+        folder = resolve_source(source, p)
+        return p, folder, check_source(folder, p)
+
+    p, folder, checks = _run(go)
+    if json_out:
+        _emit_json({"source": str(folder), "hf_id": p.hf_id, "revision": p.revision, "synthetic": p.synthetic,
+                    "ok": all(c.ok for c in checks),
+                    "files": [{"file": c.name, "expected": c.expected, "actual": c.actual, "ok": c.ok, "cause": c.cause} for c in checks]})
+    else:
+        t = Table(title=f"{p.hf_id}@{p.revision[:12]}{' (synthetic)' if p.synthetic else ''}")
+        for col in ("file", "expected", "actual", "ok"):
+            t.add_column(col)
+        for c in checks:
+            t.add_row(c.name, c.expected[:16] + "…", (c.actual or "-")[:16] + ("…" if c.actual else ""),
+                      "[green]ok[/]" if c.ok else f"[red]{c.cause}[/]")
+        err.print(t)
+    bad = [c for c in checks if not c.ok]
+    if bad:
+        err.print(f"[bold red]error:[/] {Path(folder) / bad[0].name}: {bad[0].cause}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
+        raise typer.Exit(3)
+
+
+@app.command()
+def synth(
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the synthetic snapshot into.")],
+    config: Annotated[str, typer.Option("--config", help="Head configuration: real or tiny.")] = "real",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
+    author_code: Annotated[Path, typer.Option("--author-code", help="The verified joint_schema_model.py.")] = Path(".cache/author/joint_schema_model.py"),
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing folder.")] = False,
+) -> None:
+    """Write a synthetic snapshot (random bf16 weights, fixed seed) and its pins.json; labelled synthetic."""
+    from .contract import CONFIGS
+    from .synth import write_synth
+
+    if config not in CONFIGS:
+        err.print(f"[bold red]error:[/] --config must be one of {', '.join(sorted(CONFIGS))}, got {config!r}")
+        raise typer.Exit(2)
+    pins = _run(lambda: write_synth(out_dir, config_name=config, seed=seed, author_code=author_code, overwrite=overwrite))
+    err.print(f"synthetic snapshot ({config}, seed {seed}) in {out_dir}; pins {out_dir / 'pins.json'} (revision {pins.revision[:12]})")
+
+
+@app.command()
+def build(
+    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")] = None,
+    source: SourceOpt = None,
+    pins: PinsOpt = PINS_DEFAULT,
+    out: Annotated[Path, typer.Option("--out", help="Output folder; the bundle lands in OUT/<recipe name>/.")] = Path("build"),
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing bundle (atomically).")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check pins, source and output; build nothing.")] = False,
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run the gate on the saved asset before it lands.")] = True,
+    verify_records: Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for --verify.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Verify hashes, trace ClefHeadGraph per bucket, convert to one .aimodel, write metadata.json."""
+    from .export import BuildConfig, build as do_build
+    from .recipe import DEFAULT_RECIPE, load_recipe
+
+    def go():
+        r = load_recipe(recipe)
+        cfg = BuildConfig(recipe=r, recipe_path=recipe or DEFAULT_RECIPE, source=source, pins_path=pins, out=out,
+                          overwrite=overwrite, dry_run=dry_run, verify=verify, verify_records=verify_records)
+        return do_build(cfg, log=_log)
+
+    result = _run(go)
+    if dry_run:
+        if json_out:
+            _emit_json(result.plan)
+        else:
+            err.print(f"dry run: would build {result.plan['bundle']} from {result.plan['source']} "
+                      f"({', '.join(result.plan['functions'])}); hashes verified")
+        return
+    m = result.manifest
+    if json_out:
+        _emit_json(m.model_dump(mode="json"))
+    s = m.export.seconds
+    err.print(f"[bold green]built[/] {result.bundle}: main.mlirb {m.export.main_mlirb.bytes:,} bytes, "
+              f"export {s.export:.1f} s, total {s.total:.1f} s"
+              + (" [yellow](synthetic source)[/]" if result.record.get("synthetic") else ""))
+    if result.record.get("verify"):
+        v = result.record["verify"]
+        err.print(f"verified: max |d p| {max(v['max_abs_dp'].values()):.2e}, max |d logit| {max(v['max_abs_dlogit'].values()):.2e}")
+
+
+def _print_report(report) -> None:
+    from .gate import TOLERANCES
+
+    t = Table(title=f"verify {report.bundle}")
+    for col in ("function", "shape", "records", "max |d logit|", "max |d p|", "argmax", "padding 0", "re-run", "result"):
+        t.add_column(col)
+    for r in report.results:
+        t.add_row(r.function, f"T={r.bucket}", str(r.records), f"{r.max_abs_dlogit:.2e}", f"{r.max_abs_dp:.2e}",
+                  f"{r.argmax_agree}/{r.questions}", "yes" if r.padding_max_abs == 0 else f"{r.padding_max_abs:.1e}",
+                  "identical" if r.rerun_identical else "differs", "[green]pass[/]" if r.ok else "[red]FAIL[/]")
+    err.print(t)
+    for name, ok, detail in report.checks:
+        err.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {name}: {detail}")
+    if any(r.red for r in report.results):
+        for r in report.results:
+            err.print(f"  red arms {r.function}: " + ", ".join(f"{k} moved p by {v:.3g}" for k, v in r.red.items()))
+    err.print("  bars: " + "; ".join(f"{k} <= {v[0]:g}" for k, v in TOLERANCES.items()))
+
+
+@app.command()
+def verify(
+    bundle: Annotated[Path, typer.Argument(help="A built bundle folder (with metadata.json).")],
+    source: SourceOpt = None,
+    pins: PinsOpt = PINS_DEFAULT,
+    records: Annotated[int, typer.Option("--records", help="Seeded random records per function.")] = 4,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    recorded: Annotated[Optional[Path], typer.Option("--recorded", help="An .npz of recorded records instead.")] = None,
+    red: Annotated[bool, typer.Option("--red", help="Add perturbed arms that the gate must see.")] = False,
+    transcript: Annotated[Optional[Path], typer.Option("--transcript", help="Write the JSON transcript here.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run the asset with the Core AI runtime against the author's head; exit 4 if any bar fails."""
+    from .bundle import atomic_write_json
+    from .gate import VerifyConfig, verify_bundle
+
+    if records < 1:
+        err.print("[bold red]error:[/] --records must be >= 1")
+        raise typer.Exit(2)
+    cfg = VerifyConfig(bundle=bundle, source=source, pins_path=pins, records=records, seed=seed, red=red, recorded=recorded)
+    report = _run(lambda: verify_bundle(cfg, log=_log))
+    if transcript:
+        _run(lambda: atomic_write_json(transcript, report.transcript))
+    if json_out:
+        _emit_json(report.transcript)
+    _print_report(report)
+    if not report.ok:
+        for f in report.failures:
+            err.print(f"[bold red]FAIL[/] {f}")
+        raise typer.Exit(4)
+    err.print("[bold green]verified[/]: every bar passed")
+
+
+@app.command("verify-artifact")
+def verify_artifact(bundle: Annotated[Path, typer.Argument(help="A built bundle folder.")], json_out: JsonOpt = False) -> None:
+    """Re-hash the bundle tree against its manifest, main.hash and build record; exit 3 on any change."""
+    from .artifact import check_artifact
+
+    result = _run(lambda: check_artifact(bundle))
+    if json_out:
+        _emit_json(result)
+    err.print(f"[bold green]ok[/] {bundle}: {result['files']} files match the build record and manifest")
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of metadata.json."""
+    from .manifest import json_schema
+
+    _emit_json(json_schema())
+
+
+@app.command()
+def inspect(bundle: Annotated[Path, typer.Argument(help="A built bundle folder.")], json_out: JsonOpt = False) -> None:
+    """Functions, inputs, outputs, sizes and source, from the asset and the manifest."""
+    from .artifact import inspect_bundle
+
+    info = _run(lambda: inspect_bundle(bundle))
+    if json_out:
+        _emit_json(info)
+        return
+    err.print(f"[bold]{info['name']}[/] ({info['kind']}), weights {info['weights']}, main.mlirb {info['main_mlirb_bytes']:,} bytes")
+    err.print(f"source: {info['source']['hf_id']}@{info['source']['revision'][:12]}")
+    t = Table()
+    for col in ("function", "inputs", "outputs"):
+        t.add_column(col)
+    for fn in info["functions"]:
+        t.add_row(fn["name"], ", ".join(f"{i['name']} {i['shape']} {i['dtype']}" for i in fn["inputs"]),
+                  ", ".join(f"{o['name']} {o['shape']} {o['dtype']}" for o in fn["outputs"]))
+    err.print(t)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""Typed errors, each with the exit code the CLI maps it to (one line, no traceback)."""
+
+from __future__ import annotations
+
+
+class ClefError(Exception):
+    """Base: an expected failure with a one-line message and an exit code."""
+
+    exit_code = 1
+
+
+class UsageError(ClefError):
+    """Bad arguments, malformed pins or recipe: nothing was touched."""
+
+    exit_code = 2
+
+
+class IntegrityError(ClefError):
+    """A hash mismatch, a missing, unpinned or corrupt file."""
+
+    exit_code = 3
+
+
+class NumericError(ClefError):
+    """A numeric gate failed."""
+
+    exit_code = 4
+
+
+class ToolchainError(ClefError):
+    """A required toolchain (coreai, xcrun, pip) is missing or failed."""
+
+    exit_code = 5

@@ -1,0 +1,308 @@
+"""Stage 4: export. Verified source -> ClefHeadGraph -> torch.export per bucket -> one coreai-torch
+converter with one entrypoint per bucket -> one multi-function ``.aimodel`` -> ``metadata.json``.
+
+The bundle is built in a temporary sibling folder and renamed into place (``bundle.staged_dir``):
+it appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import os
+import platform
+import random
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__, contract
+from .bundle import atomic_write_json, check_output_path, file_sha256, output_lock, staged_dir, tree_files
+from .errors import ClefError, ToolchainError, UsageError
+from .manifest import Compilation, Export, ExportAttempt, MainMlirb, Manifest, Seconds, Source, head_section
+from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins, load_pins
+from .recipe import Recipe
+
+MANIFEST_VERSION = "0.2"
+from .artifact import RECORD_FILE  # noqa: E402
+NAMING_SEED = 0x0C1EF  # coreai's composite-graph suffixes, drawn from this seed: reproducible bytes
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    recipe: Recipe
+    recipe_path: Path
+    source: Path | None
+    pins_path: Path
+    out: Path
+    overwrite: bool = False
+    dry_run: bool = False
+    verify: bool = True
+    verify_records: int | None = None
+
+
+@dataclass
+class BuildResult:
+    bundle: Path
+    manifest: Manifest
+    record: dict[str, Any]
+    plan: dict[str, Any] = field(default_factory=dict)
+
+
+def tool_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version(), "clef-export": __version__}
+    for dist in ("torch", "coreai-core", "coreai-torch", "numpy", "safetensors", "huggingface_hub"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "missing"
+    return out
+
+
+def source_date_epoch() -> int | None:
+    raw = os.environ.get("SOURCE_DATE_EPOCH")
+    if raw is None or raw == "":
+        return None
+    if not raw.isdigit():
+        raise UsageError(f"SOURCE_DATE_EPOCH={raw!r} is not a non-negative integer")
+    return int(raw)
+
+
+def build_date() -> str:
+    epoch = source_date_epoch()
+    when = dt.datetime.fromtimestamp(epoch, dt.timezone.utc) if epoch is not None else dt.datetime.now(dt.timezone.utc)
+    return when.replace(microsecond=0).isoformat()
+
+
+def _import_coreai():
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import coreai_torch  # noqa: F401
+            from coreai_torch import TorchConverter  # noqa: F401
+    except ImportError as exc:
+        raise ToolchainError(f"coreai-torch / coreai-core are required to export ({exc.name} missing)") from None
+    import coreai_torch
+
+    return coreai_torch
+
+
+@contextlib.contextmanager
+def deterministic_naming(seed: int = NAMING_SEED):
+    """coreai names composite graphs with suffixes drawn from ``secrets``; draw them from a seed."""
+    import coreai.authoring.graph_builder as gb
+
+    rng = random.Random(seed)
+    saved = gb.choice
+    gb.choice = rng.choice
+    try:
+        yield
+    finally:
+        gb.choice = saved
+
+
+def example_inputs(bucket: int, hidden_size: int, q_pad: int, o_pad: int):
+    import torch
+
+    shapes = contract.input_shapes(bucket, hidden_size, q_pad, o_pad)
+    return tuple(
+        torch.zeros(shapes[n], dtype=torch.int32 if contract.INPUT_SPECS[n][1] == "i32" else torch.float32)
+        for n in contract.INPUT_ORDER
+    )
+
+
+def trace_program(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int, coreai_torch):
+    import torch
+
+    args = example_inputs(bucket, hidden_size, q_pad, o_pad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(graph, args, strict=False)
+        return ep.run_decompositions(coreai_torch.get_decomp_table())
+
+
+def convert(graph, recipe: Recipe, hidden_size: int, coreai_torch, log=lambda msg: None):
+    """One converter, one entrypoint per bucket: returns the optimized multi-function program."""
+    from coreai_torch import TorchConverter
+    from coreai_torch.debugging.debug_info import strip_debug_info
+
+    converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
+    for bucket in recipe.buckets:
+        name = contract.function_name(bucket)
+        log(f"tracing {name}")
+        ep = trace_program(graph, bucket, hidden_size, recipe.q_pad, recipe.o_pad, coreai_torch)
+        converter.add_exported_program(
+            ep,
+            input_names=list(contract.INPUT_ORDER),
+            output_names=list(contract.OUTPUT_NAMES),
+            entrypoint_name=name,
+        )
+    log("converting")
+    with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        program = converter.to_coreai()
+    strip_debug_info(program)  # source locations would embed this machine's paths
+    return program
+
+
+def _source_section(pins: Pins) -> Source:
+    return Source(
+        hf_id=pins.hf_id,
+        revision=pins.revision,
+        joint_schema_model_sha256=pins.files[CODE_FILE],
+        joint_head_safetensors_sha256=pins.files[WEIGHTS_FILE],
+        joint_head_config_sha256=pins.files[CONFIG_FILE],
+    )
+
+
+def plan(cfg: BuildConfig) -> dict[str, Any]:
+    """What a build would do; checks everything that can be checked without heavy work."""
+    from .source import require_verified, resolve_source
+
+    recipe = cfg.recipe
+    pins = load_pins(cfg.pins_path)
+    final = Path(cfg.out) / recipe.name
+    check_output_path(final, cfg.overwrite)
+    source = resolve_source(cfg.source, pins)
+    checks = require_verified(source, pins)
+    return {
+        "recipe": str(cfg.recipe_path),
+        "name": recipe.name,
+        "bundle": str(final),
+        "source": str(source),
+        "hf_id": pins.hf_id,
+        "revision": pins.revision,
+        "synthetic": pins.synthetic,
+        "files": {c.name: c.actual for c in checks},
+        "functions": [contract.function_name(b) for b in recipe.buckets],
+        "weights": recipe.weights,
+    }
+
+
+def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
+    """Verify, trace, convert, save, write the manifest (and verify the saved asset)."""
+    import torch
+
+    from .author import load_head
+    from .graph import ClefHeadGraph, cast_weights
+    from .source import resolve_source
+
+    recipe = cfg.recipe
+    t_start = time.perf_counter()
+    info = plan(cfg)
+    pins = load_pins(cfg.pins_path)
+    source = Path(info["source"])
+    final = Path(info["bundle"])
+    if cfg.dry_run:
+        return BuildResult(bundle=final, manifest=None, record={}, plan=info)  # type: ignore[arg-type]
+    coreai_torch = _import_coreai()
+
+    with output_lock(final), staged_dir(final, cfg.overwrite) as tmp:
+        log("loading the author's head from verified bytes")
+        t0 = time.perf_counter()
+        dtype = torch.float16 if recipe.weights == "fp16w32" else torch.float32
+        _module, config, head = load_head(source, pins, dtype)
+        head = cast_weights(head, recipe.weights)
+        contract.check_contract(recipe.shape_contract, config.hidden_size)
+        graph = ClefHeadGraph(head).eval()
+        t_build = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                program = convert(graph, recipe, config.hidden_size, coreai_torch, log)
+        except ClefError:
+            raise
+        except Exception as exc:  # a converter failure is a toolchain failure, said in one line
+            raise ToolchainError(f"export of {recipe.name} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+        t_export = time.perf_counter() - t0
+        del graph, head
+
+        t0 = time.perf_counter()
+        asset_dir = tmp / f"{recipe.name}.aimodel"
+        log(f"saving {asset_dir.name}")
+        _save_asset(program, asset_dir, pins)
+        t_save = time.perf_counter() - t0
+        del program
+
+        mlirb = asset_dir / "main.mlirb"
+        seconds = Seconds(build=t_build, export=t_export, optimize=0.0, save=t_save,
+                          total=t_build + t_export + t_save)
+        manifest = Manifest(
+            metadata_version=MANIFEST_VERSION,
+            kind="decision-head",
+            name=recipe.name,
+            assets={"main": asset_dir.name},
+            head=head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
+                              hidden_size=config.hidden_size),
+            export=Export(
+                aimodel_bytes=sum(p.stat().st_size for p in asset_dir.rglob("*") if p.is_file()),
+                main_mlirb=MainMlirb(bytes=mlirb.stat().st_size, sha256=file_sha256(mlirb)),
+                seconds=seconds,
+                export_attempts=[ExportAttempt(externalize="no externalize specs", ok=True, seconds=t_export)],
+            ),
+            aot=None,
+            compilation=Compilation(date=build_date(), targets=[]),
+        )
+        atomic_write_json(tmp / "metadata.json", manifest.model_dump(mode="json"))
+        record = build_record(cfg, pins, info, tmp, config.hidden_size)
+
+        if cfg.verify and recipe.verify.enabled:
+            from .gate import VerifyConfig, verify_bundle
+
+            log("verifying the saved asset against the author's head")
+            report = verify_bundle(
+                VerifyConfig(bundle=tmp, source=source, pins_path=cfg.pins_path,
+                             records=cfg.verify_records or recipe.verify.records, seed=recipe.verify.seed),
+                log=log,
+            )
+            record["verify"] = report.summary()
+            if not report.ok:
+                atomic_write_json(tmp / RECORD_FILE, record)
+                report.raise_for_failures()
+        atomic_write_json(tmp / RECORD_FILE, record)
+        log(f"built in {time.perf_counter() - t_start:.1f} s")
+    return BuildResult(bundle=final, manifest=manifest, record=record, plan=info)
+
+
+def _save_asset(program, asset_dir: Path, pins: Pins) -> None:
+    from coreai.runtime import AIModelAssetMetadata
+
+    meta = AIModelAssetMetadata()
+    meta.author = "clef-export"
+    meta.license = "Apache-2.0"
+    label = "SYNTHETIC weights (not the real checkpoint)" if pins.synthetic else "Cloudflare clef-flash"
+    meta.model_description = f"clef-flash joint schema head, {label}, {pins.hf_id}@{pins.revision}"
+    asset = program.save_asset(asset_dir, metadata=meta)
+    epoch = source_date_epoch()
+    if epoch is not None:
+        asset.update_metadata(lambda m: setattr(m, "creation_date", float(epoch)))
+
+
+def build_record(cfg: BuildConfig, pins: Pins, info: dict[str, Any], bundle: Path, hidden_size: int) -> dict[str, Any]:
+    recipe = cfg.recipe
+    return {
+        "record_version": "1",
+        "tool": {"name": "clef-export", "version": __version__, "command": "build"},
+        "parameters": {
+            "recipe": recipe.model_dump(mode="json"),
+            "recipe_file": Path(cfg.recipe_path).name,
+            "hidden_size": hidden_size,
+            "naming_seed": NAMING_SEED,
+        },
+        "source": {
+            "hf_id": pins.hf_id,
+            "revision": pins.revision,
+            "synthetic": pins.synthetic,
+            "files": {name: {"sha256": digest} for name, digest in sorted(pins.files.items())},
+        },
+        "outputs": tree_files(bundle),
+        "environment": {**tool_versions(), "platform": sys.platform, "machine": platform.machine()},
+        "source_date_epoch": source_date_epoch(),
+        "synthetic": pins.synthetic,
+        "verify": None,
+    }

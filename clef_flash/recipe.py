@@ -1,0 +1,61 @@
+"""Read and check a ``conversion/*.toml`` recipe: what to build (name, buckets, pads, weights)."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path, PurePath
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .contract import BUCKETS, O_PAD, Q_PAD, Shape
+from .errors import UsageError
+
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "conversion" / "head_bucket_fp16w32.toml"
+
+
+class VerifyPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    enabled: bool = True
+    records: int = Field(default=2, ge=1, le=1000)
+    seed: int = 0
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    shape: Literal["bucket"] = "bucket"
+    buckets: tuple[int, ...] = BUCKETS
+    q_pad: int = Field(default=Q_PAD, ge=1)
+    o_pad: int = Field(default=O_PAD, ge=2)
+    weights: Literal["fp16w32", "fp32"] = "fp16w32"
+    format: Literal["aimodel"] = "aimodel"
+    verify: VerifyPlan = VerifyPlan()
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        if v in (".", "..") or PurePath(v).name != v:
+            raise ValueError("name must be a plain folder name")
+        return v
+
+    @property
+    def shape_contract(self) -> Shape:
+        return Shape(buckets=self.buckets, q_pad=self.q_pad, o_pad=self.o_pad)
+
+
+def load_recipe(path: Path | None) -> Recipe:
+    path = Path(path) if path else DEFAULT_RECIPE
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{path}: recipe not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: recipe is not valid TOML ({exc})") from None
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+        raise UsageError(f"{path}: invalid recipe at {where}: {first['msg']}") from None

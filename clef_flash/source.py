@@ -1,0 +1,151 @@
+"""Stage 1: the source. Fetch the pinned files with huggingface_hub, locate a snapshot, verify it.
+
+huggingface_hub checks sizes, not content: the sha256 check here is the only guard, and it runs
+after every download and before every use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import IntegrityError, UsageError
+from .pins import Pins, sha256_file
+
+
+@dataclass(frozen=True)
+class FileCheck:
+    name: str
+    expected: str
+    actual: str | None
+    ok: bool
+    cause: str  # "ok", "missing", "sha256 mismatch", "not a regular file"
+
+
+def check_source(source: Path, pins: Pins) -> list[FileCheck]:
+    """sha256 of every pinned file under ``source`` (symlinks into an HF cache are followed)."""
+    source = Path(source)
+    if not source.is_dir():
+        raise IntegrityError(f"{source}: source folder not found")
+    checks: list[FileCheck] = []
+    for name, expected in sorted(pins.files.items()):
+        path = source / name
+        if not path.exists():
+            checks.append(FileCheck(name, expected, None, False, "missing"))
+            continue
+        if not path.is_file():
+            checks.append(FileCheck(name, expected, None, False, "not a regular file"))
+            continue
+        actual = sha256_file(path)
+        ok = actual == expected
+        checks.append(FileCheck(name, expected, actual, ok, "ok" if ok else "sha256 mismatch"))
+    return checks
+
+
+def require_verified(source: Path, pins: Pins) -> list[FileCheck]:
+    """``check_source``, raising ``IntegrityError`` on the first failed file."""
+    checks = check_source(source, pins)
+    for c in checks:
+        if not c.ok:
+            detail = f" (expected {c.expected[:12]}…, got {c.actual[:12]}…)" if c.actual else ""
+            raise IntegrityError(f"{Path(source) / c.name}: {c.cause}{detail}")
+    return checks
+
+
+def _check_revision(pins: Pins, revision: str | None, allow_unpinned: bool) -> str:
+    rev = revision or pins.revision
+    if rev != pins.revision and not allow_unpinned:
+        raise UsageError(
+            f"revision {rev!r} is not the pinned commit {pins.revision}; pass --allow-unpinned to fetch it anyway"
+        )
+    return rev
+
+
+def fetch(
+    pins: Pins,
+    *,
+    revision: str | None = None,
+    cache_dir: Path | None = None,
+    local_dir: Path | None = None,
+    allow_unpinned: bool = False,
+) -> Path:
+    """Download each pinned file by commit (``hf_hub_download``), verify it, return its folder.
+
+    Honours ``HF_HOME``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` through huggingface_hub itself.
+    A file whose bytes do not match its pin is removed from ``local_dir`` (never left to be used).
+    """
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    rev = _check_revision(pins, revision, allow_unpinned)
+    folder: Path | None = None
+    for name in sorted(pins.files):
+        try:
+            path = Path(
+                hf_hub_download(
+                    pins.hf_id,
+                    name,
+                    revision=rev,
+                    cache_dir=str(cache_dir) if cache_dir else None,
+                    local_dir=str(local_dir) if local_dir else None,
+                )
+            )
+        except RevisionNotFoundError:
+            raise IntegrityError(f"{pins.hf_id}@{rev}: revision not found on the Hub") from None
+        except EntryNotFoundError:
+            raise IntegrityError(f"{pins.hf_id}@{rev}/{name}: file not found on the Hub") from None
+        except RepositoryNotFoundError:
+            raise IntegrityError(f"{pins.hf_id}: repository not found on the Hub") from None
+        except LocalEntryNotFoundError:
+            raise IntegrityError(
+                f"{pins.hf_id}@{rev[:12]}/{name}: not in the cache and the Hub cannot be reached"
+                " (offline?); run `clef-export fetch` with network access"
+            ) from None
+        except HfHubHTTPError as exc:
+            code = getattr(getattr(exc, "response", None), "status_code", "?")
+            raise IntegrityError(f"{pins.hf_id}@{rev[:12]}/{name}: download failed (HTTP {code})") from None
+        except OSError as exc:
+            raise IntegrityError(f"{pins.hf_id}@{rev[:12]}/{name}: download failed ({exc})") from None
+        actual = sha256_file(path)
+        if actual != pins.files[name]:
+            if local_dir is not None:
+                path.unlink(missing_ok=True)
+            raise IntegrityError(
+                f"{path}: sha256 mismatch after download (expected {pins.files[name][:12]}…, got {actual[:12]}…)"
+            )
+        folder = path.parent if folder is None else folder
+    assert folder is not None
+    return folder
+
+
+def cached_snapshot(pins: Pins, cache_dir: Path | None = None) -> Path:
+    """The snapshot folder of the pinned revision in the HF cache, with zero network access."""
+    from huggingface_hub import try_to_load_from_cache
+
+    folder: Path | None = None
+    for name in sorted(pins.files):
+        hit = try_to_load_from_cache(pins.hf_id, name, revision=pins.revision, cache_dir=cache_dir)
+        if not isinstance(hit, str):
+            raise IntegrityError(
+                f"{pins.hf_id}@{pins.revision[:12]}/{name}: not in the cache; run `clef-export fetch`"
+            )
+        folder = Path(hit).parent
+    assert folder is not None
+    return folder
+
+
+def resolve_source(source: Path | None, pins: Pins) -> Path:
+    """An explicit ``--source`` folder, else the pinned snapshot in the HF cache."""
+    if source is not None:
+        return Path(source)
+    env = os.environ.get("CLEF_SOURCE")
+    if env:
+        return Path(env)
+    return cached_snapshot(pins)

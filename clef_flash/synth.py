@@ -1,0 +1,96 @@
+"""A synthetic source snapshot: the head's files at any configuration, random bf16 weights.
+
+The Hub cannot be reached here, so the pipeline runs on a snapshot made by this module: the
+author's verified ``joint_schema_model.py``, a ``joint_head_config.json`` and a
+``joint_head.safetensors`` of seeded random values stored bf16, plus its own pins file. Everything
+built from it says ``synthetic``: it never claims to be the real checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+from .author import AUTHOR_SHA256, build_head, read_verified
+from .bundle import atomic_write_json, check_output_path, output_lock, staged_dir
+from .contract import CONFIGS
+from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins, sha256_bytes
+
+SYNTH_HF_ID = "synthetic/clef-flash-head"
+
+
+def synth_state(config: dict, seed: int, module=None) -> dict:
+    """Seeded random weights for every parameter (norm scales near 1, small biases, fan-in
+    scaled matrices, non-zero scalars), so every term of the forward is exercised."""
+    import torch
+
+    names_shapes: dict[str, tuple[int, ...]]
+    if module is not None:
+        with torch.device("meta"):
+            head = module.JointSchemaHead(**config)
+        names_shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    else:
+        raise ValueError("synth_state needs the author's module to know the parameter names")
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name in sorted(names_shapes):
+        shape = names_shapes[name]
+        x = torch.randn(shape, generator=gen, dtype=torch.float32)
+        if len(shape) == 0:
+            x = 0.5 * x
+        elif len(shape) == 1 and name.endswith(".weight"):
+            x = 1.0 + 0.1 * x  # LayerNorm scales
+        elif len(shape) == 1:
+            x = 0.02 * x
+        else:
+            x = x / math.sqrt(shape[-1])
+        state[name] = x.to(torch.bfloat16)
+    return state
+
+
+def write_synth(out: Path, *, config_name: str, seed: int, author_code: Path, overwrite: bool = False) -> Pins:
+    """Write a snapshot-shaped folder and its pins (``pins.json``) atomically; return the pins."""
+    import torch
+    from safetensors.torch import save
+
+    from .author import load_author_module
+
+    if config_name not in CONFIGS:
+        raise ValueError(f"unknown config {config_name!r}; expected one of {sorted(CONFIGS)}")
+    config = dict(CONFIGS[config_name])
+    out = Path(out)
+    check_output_path(out, overwrite)
+    code = read_verified(Path(author_code), AUTHOR_SHA256, "refusing to copy it")
+    module = load_author_module(Path(author_code), AUTHOR_SHA256)
+    state = synth_state(config, seed, module)
+    # Prove the weights load strictly into the author's class before anything is written.
+    build_head(module, _config_model(config), state, torch.float32, out / WEIGHTS_FILE)
+    weights = save(state, metadata={"synthetic": "true", "seed": str(seed), "config": config_name})
+    config_bytes = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+    files = {
+        CODE_FILE: sha256_bytes(code),
+        CONFIG_FILE: sha256_bytes(config_bytes),
+        WEIGHTS_FILE: sha256_bytes(weights),
+    }
+    revision = hashlib.sha1("".join(f"{k}:{v}\n" for k, v in sorted(files.items())).encode()).hexdigest()
+    pins = Pins(
+        hf_id=SYNTH_HF_ID,
+        revision=revision,
+        files=files,
+        synthetic=True,
+        note=f"SYNTHETIC: random bf16 weights, config {config_name}, seed {seed}; not the real checkpoint",
+    )
+    with output_lock(out), staged_dir(out, overwrite) as tmp:
+        (tmp / CODE_FILE).write_bytes(code)
+        (tmp / CONFIG_FILE).write_bytes(config_bytes)
+        (tmp / WEIGHTS_FILE).write_bytes(weights)
+        atomic_write_json(tmp / "pins.json", pins.model_dump(mode="json"))
+    return pins
+
+
+def _config_model(config: dict):
+    from .author import HeadConfig
+
+    return HeadConfig.model_validate(config)
