@@ -55,8 +55,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_dir(path.parent)
 
 
-def dumps_json(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+def dumps_json(obj: Any, sort_keys: bool = False) -> bytes:
+    return (json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=sort_keys) + "\n").encode("utf-8")
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

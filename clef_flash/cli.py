@@ -26,7 +26,7 @@ app = typer.Typer(
     help="Export Cloudflare's clef-flash joint schema head to an Apple Core AI asset, and prove it.",
     pretty_exceptions_enable=False,
 )
-err = Console(stderr=True, highlight=False, soft_wrap=True)  # errors stay one line, unwrapped
+err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 160)  # one-line errors
 _state = {"verbose": False}
 
 

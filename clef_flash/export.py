@@ -8,10 +8,13 @@ it appears complete or not at all.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as dt
+import json
 import os
 import platform
 import random
+import subprocess
 import sys
 import time
 import warnings
@@ -20,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, contract
-from .bundle import atomic_write_json, check_output_path, file_sha256, output_lock, staged_dir, tree_files
-from .errors import ClefError, ToolchainError, UsageError
+from .bundle import atomic_write_bytes, atomic_write_json, check_output_path, dumps_json, file_sha256, output_lock, staged_dir, tree_files
+from .errors import ClefError, IntegrityError, NumericError, ToolchainError, UsageError
 from .manifest import Compilation, Export, ExportAttempt, MainMlirb, Manifest, Seconds, Source, head_section
 from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins, load_pins
 from .recipe import Recipe
@@ -185,12 +188,6 @@ def plan(cfg: BuildConfig) -> dict[str, Any]:
 
 def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
     """Verify, trace, convert, save, write the manifest (and verify the saved asset)."""
-    import torch
-
-    from .author import load_head
-    from .graph import ClefHeadGraph, cast_weights
-    from .source import resolve_source
-
     recipe = cfg.recipe
     t_start = time.perf_counter()
     info = plan(cfg)
@@ -199,35 +196,11 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
     final = Path(info["bundle"])
     if cfg.dry_run:
         return BuildResult(bundle=final, manifest=None, record={}, plan=info)  # type: ignore[arg-type]
-    coreai_torch = _import_coreai()
-
     with output_lock(final), staged_dir(final, cfg.overwrite) as tmp:
-        log("loading the author's head from verified bytes")
-        t0 = time.perf_counter()
-        dtype = torch.float16 if recipe.weights == "fp16w32" else torch.float32
-        _module, config, head = load_head(source, pins, dtype)
-        head = cast_weights(head, recipe.weights)
-        contract.check_contract(recipe.shape_contract, config.hidden_size)
-        graph = ClefHeadGraph(head).eval()
-        t_build = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                program = convert(graph, recipe, config.hidden_size, coreai_torch, log)
-        except ClefError:
-            raise
-        except Exception as exc:  # a converter failure is a toolchain failure, said in one line
-            raise ToolchainError(f"export of {recipe.name} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
-        t_export = time.perf_counter() - t0
-        del graph, head
-
-        t0 = time.perf_counter()
         asset_dir = tmp / f"{recipe.name}.aimodel"
-        log(f"saving {asset_dir.name}")
-        _save_asset(program, asset_dir, pins)
-        t_save = time.perf_counter() - t0
-        del program
+        timings = run_export_worker(source, cfg.pins_path, cfg.recipe_path, recipe, asset_dir, log)
+        t_build, t_export, t_save = timings["build"], timings["export"], timings["save"]
+        hidden_size = int(timings["hidden_size"])
 
         mlirb = asset_dir / "main.mlirb"
         seconds = Seconds(build=t_build, export=t_export, optimize=0.0, save=t_save,
@@ -238,7 +211,7 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
             name=recipe.name,
             assets={"main": asset_dir.name},
             head=head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
-                              hidden_size=config.hidden_size),
+                              hidden_size=hidden_size),
             export=Export(
                 aimodel_bytes=sum(p.stat().st_size for p in asset_dir.rglob("*") if p.is_file()),
                 main_mlirb=MainMlirb(bytes=mlirb.stat().st_size, sha256=file_sha256(mlirb)),
@@ -249,7 +222,8 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
             compilation=Compilation(date=build_date(), targets=[]),
         )
         atomic_write_json(tmp / "metadata.json", manifest.model_dump(mode="json"))
-        record = build_record(cfg, pins, info, tmp, config.hidden_size)
+        record = build_record(cfg, pins, info, tmp, hidden_size)
+        record["parameters"]["aslr_disabled_for_naming"] = bool(timings.get("aslr_disabled"))
 
         if cfg.verify and recipe.verify.enabled:
             from .gate import VerifyConfig, verify_bundle
@@ -269,6 +243,109 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
     return BuildResult(bundle=final, manifest=manifest, record=record, plan=info)
 
 
+ADDR_NO_RANDOMIZE = 0x0040000
+
+
+def _no_aslr() -> None:
+    """In the export worker (before exec): no address randomisation. The compiler names weight
+    blobs by ``llvm::hash_value``, whose seed is the address of a static; with a fixed layout the
+    names, and so the bytes of ``main.mlirb``, repeat from build to build."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        current = libc.personality(0xFFFFFFFF)
+        if current != -1:
+            libc.personality(current | ADDR_NO_RANDOMIZE)
+    except (OSError, AttributeError):
+        pass
+
+
+def _aslr_disabled() -> bool:
+    try:
+        return bool(int(Path("/proc/self/personality").read_text(), 16) & ADDR_NO_RANDOMIZE)
+    except (OSError, ValueError):
+        return False
+
+
+def run_export_worker(source: Path, pins_path: Path, recipe_path: Path, recipe: Recipe, asset_dir: Path, log) -> dict:
+    """Trace + convert + save in a child process (fixed address layout, its memory returned to
+    the OS when it ends); errors come back as the same typed error, one line."""
+    job = {"source": str(source), "pins": str(pins_path), "recipe": recipe.model_dump(mode="json"),
+           "recipe_path": str(recipe_path), "asset_dir": str(asset_dir)}
+    cmd = [sys.executable, "-m", "clef_flash.export", json.dumps(job)]
+    preexec = _no_aslr if sys.platform.startswith("linux") else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec)
+    other: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            line = line.rstrip()
+            if line.startswith("LOG "):
+                log(line[4:])
+            elif line.strip() and not line.startswith("ODIE"):
+                other = (other + [line])[-3:]
+            if line.startswith("ERROR "):
+                kind, _, msg = line[6:].partition(" ")
+                proc.wait()
+                raise _ERRORS.get(kind, ToolchainError)(msg)
+        out = proc.stdout.read() if proc.stdout else ""
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    if proc.wait() != 0:
+        last = other[-1] if other else "no message"
+        raise ToolchainError(f"export worker exited with status {proc.returncode}: {last}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _worker_main(job_text: str) -> int:
+    """The export worker: verified head -> ClefHeadGraph -> torch.export per bucket -> .aimodel."""
+    import torch
+
+    from .author import load_head
+    from .graph import ClefHeadGraph, cast_weights
+    from .recipe import Recipe as _Recipe
+
+    def log(msg: str) -> None:
+        print(f"LOG {msg}", file=sys.stderr, flush=True)
+
+    try:
+        job = json.loads(job_text)
+        recipe = _Recipe.model_validate(job["recipe"])
+        pins = load_pins(Path(job["pins"]))
+        coreai_torch = _import_coreai()
+        log("loading the author's head from verified bytes")
+        t0 = time.perf_counter()
+        dtype = torch.float16 if recipe.weights == "fp16w32" else torch.float32
+        _module, config, head = load_head(Path(job["source"]), pins, dtype)
+        head = cast_weights(head, recipe.weights)
+        contract.check_contract(recipe.shape_contract, config.hidden_size)
+        graph = ClefHeadGraph(head).eval()
+        t_build = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                program = convert(graph, recipe, config.hidden_size, coreai_torch, log)
+        except ClefError:
+            raise
+        except Exception as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise ToolchainError(f"export of {recipe.name} failed: {type(exc).__name__}: {first}") from exc
+        t_export = time.perf_counter() - t0
+        del graph, head
+        t0 = time.perf_counter()
+        asset_dir = Path(job["asset_dir"])
+        log(f"saving {asset_dir.name}")
+        _save_asset(program, asset_dir, pins)
+        t_save = time.perf_counter() - t0
+    except ClefError as exc:
+        print(f"ERROR {type(exc).__name__} {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    print(json.dumps({"build": t_build, "export": t_export, "save": t_save, "hidden_size": config.hidden_size,
+                      "aslr_disabled": _aslr_disabled()}))
+    return 0
+
+
 def _save_asset(program, asset_dir: Path, pins: Pins) -> None:
     from coreai.runtime import AIModelAssetMetadata
 
@@ -281,6 +358,9 @@ def _save_asset(program, asset_dir: Path, pins: Pins) -> None:
     epoch = source_date_epoch()
     if epoch is not None:
         asset.update_metadata(lambda m: setattr(m, "creation_date", float(epoch)))
+    # the runtime writes its keys in hash-map order; the same content in a fixed order
+    meta_path = asset_dir / "metadata.json"
+    atomic_write_bytes(meta_path, dumps_json(json.loads(meta_path.read_text(encoding="utf-8")), sort_keys=True))
 
 
 def build_record(cfg: BuildConfig, pins: Pins, info: dict[str, Any], bundle: Path, hidden_size: int) -> dict[str, Any]:
@@ -306,3 +386,9 @@ def build_record(cfg: BuildConfig, pins: Pins, info: dict[str, Any], bundle: Pat
         "synthetic": pins.synthetic,
         "verify": None,
     }
+
+
+_ERRORS = {cls.__name__: cls for cls in (UsageError, IntegrityError, NumericError, ToolchainError, ClefError)}
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1]))
