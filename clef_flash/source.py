@@ -84,9 +84,13 @@ def fetch(
         RevisionNotFoundError,
     )
 
+    from huggingface_hub.utils import logging as hf_logging
+
     rev = _check_revision(pins, revision, allow_unpinned)
+    hf_logging.set_verbosity_error()  # our one-line errors say what failed; no retry chatter
     folder: Path | None = None
     for name in sorted(pins.files):
+        where = f"{pins.hf_id}@{rev[:12]}/{name}"
         try:
             path = Path(
                 hf_hub_download(
@@ -98,21 +102,20 @@ def fetch(
                 )
             )
         except RevisionNotFoundError:
-            raise IntegrityError(f"{pins.hf_id}@{rev}: revision not found on the Hub") from None
+            raise IntegrityError(f"{pins.hf_id}@{rev}: revision not found on the Hub (fetching {name})") from None
+        except LocalEntryNotFoundError as exc:  # before EntryNotFoundError: it is a subclass
+            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+                raise IntegrityError(f"{where}: not in the cache and HF_HUB_OFFLINE is set; run `clef-export fetch` online") from None
+            raise IntegrityError(f"{where}: download failed ({_cause(exc)})") from None
         except EntryNotFoundError:
-            raise IntegrityError(f"{pins.hf_id}@{rev}/{name}: file not found on the Hub") from None
+            raise IntegrityError(f"{where}: file not found on the Hub") from None
         except RepositoryNotFoundError:
             raise IntegrityError(f"{pins.hf_id}: repository not found on the Hub") from None
-        except LocalEntryNotFoundError:
-            raise IntegrityError(
-                f"{pins.hf_id}@{rev[:12]}/{name}: not in the cache and the Hub cannot be reached"
-                " (offline?); run `clef-export fetch` with network access"
-            ) from None
         except HfHubHTTPError as exc:
             code = getattr(getattr(exc, "response", None), "status_code", "?")
-            raise IntegrityError(f"{pins.hf_id}@{rev[:12]}/{name}: download failed (HTTP {code})") from None
-        except OSError as exc:
-            raise IntegrityError(f"{pins.hf_id}@{rev[:12]}/{name}: download failed ({exc})") from None
+            raise IntegrityError(f"{where}: download failed (HTTP {code})") from None
+        except Exception as exc:  # connection reset, timeout, truncated body: all mean "no verified file"
+            raise IntegrityError(f"{where}: download failed ({_cause(exc)})") from None
         actual = sha256_file(path)
         if actual != pins.files[name]:
             if local_dir is not None:
@@ -123,6 +126,14 @@ def fetch(
         folder = path.parent if folder is None else folder
     assert folder is not None
     return folder
+
+
+def _cause(exc: BaseException) -> str:
+    """The innermost cause of a download failure, in one line."""
+    while exc.__cause__ is not None or (exc.__context__ is not None and not exc.__suppress_context__):
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {text[:200]}"
 
 
 def cached_snapshot(pins: Pins, cache_dir: Path | None = None) -> Path:

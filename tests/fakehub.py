@@ -1,0 +1,100 @@
+"""A loopback fake of the Hub's file endpoints, serving a snapshot folder, misbehaving on demand.
+
+Serves ``HEAD``/``GET /{repo}/resolve/{revision}/{file}`` with the headers huggingface_hub needs
+(``X-Repo-Commit``, ``ETag``, ``Content-Length``). ``faults[file]`` picks a misbehaviour:
+``404-entry``, ``404-revision``, ``500``, ``reset`` (connection cut mid-body), ``corrupt``
+(same size, one byte flipped), ``slow`` (a delay before the body).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote
+
+
+class FakeHub:
+    def __init__(self, repo: str, revision: str, folder: Path):
+        self.repo, self.revision, self.folder = repo, revision, Path(folder)
+        self.faults: dict[str, str] = {}
+        self.requests: list[tuple[str, str]] = []
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):  # quiet
+                pass
+
+            def _route(self, body: bool) -> None:
+                path = unquote(self.path.split("?")[0])
+                hub.requests.append((self.command, path))
+                prefix = f"/{hub.repo}/resolve/"
+                if not path.startswith(prefix):
+                    return self._error(404, "RepoNotFound", "Repository not found")
+                rev, _, name = path[len(prefix):].partition("/")
+                fault = hub.faults.get(name, "")
+                if rev != hub.revision or fault == "404-revision":
+                    return self._error(404, "RevisionNotFound", "Invalid rev id")
+                f = hub.folder / name
+                if fault == "404-entry" or not f.is_file():
+                    return self._error(404, "EntryNotFound", "Entry not found")
+                if fault == "500":
+                    return self._error(500, None, "Internal Error")
+                data = f.read_bytes()
+                if fault == "corrupt":
+                    data = data[:-1] + bytes([data[-1] ^ 0x01])
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')
+                self.send_header("X-Repo-Commit", hub.revision)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.end_headers()
+                if not body:
+                    return
+                if fault == "slow":
+                    time.sleep(1.5)
+                if fault == "reset":
+                    self.wfile.write(data[: len(data) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self.wfile.write(data)
+
+            def _error(self, code: int, error_code: str | None, msg: str) -> None:
+                payload = ('{"error": "%s"}' % msg).encode()
+                self.send_response(code)
+                if error_code:
+                    self.send_header("X-Error-Code", error_code)
+                    self.send_header("X-Error-Message", msg)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(payload)
+
+            def do_HEAD(self):
+                self._route(body=False)
+
+            def do_GET(self):
+                self._route(body=True)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> "FakeHub":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
