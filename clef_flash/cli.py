@@ -49,6 +49,10 @@ def _run(fn: Callable[[], Any]) -> Any:
         raise typer.Exit(130) from None
     except typer.Exit:
         raise
+    except OSError as exc:  # disk full, read-only file system: name the file and the cause
+        where = exc.filename or "output"
+        err.print(f"[bold red]error:[/] cannot write {where}: {exc.strerror or exc}")
+        raise typer.Exit(1) from None
     except Exception as exc:  # unexpected: one line unless --verbose
         if _state["verbose"]:
             err.print_exception()

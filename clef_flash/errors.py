@@ -9,6 +9,12 @@ class ClefError(Exception):
     exit_code = 1
 
 
+class OutputError(ClefError):
+    """The output could not be written (disk full, read-only file system); nothing was left."""
+
+    exit_code = 1
+
+
 class UsageError(ClefError):
     """Bad arguments, malformed pins or recipe: nothing was touched."""
 

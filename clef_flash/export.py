@@ -14,6 +14,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from typing import Any
 
 from . import __version__, contract
 from .bundle import atomic_write_bytes, atomic_write_json, check_output_path, dumps_json, file_sha256, output_lock, staged_dir, tree_files
-from .errors import ClefError, IntegrityError, NumericError, ToolchainError, UsageError
+from .errors import ClefError, IntegrityError, NumericError, OutputError, ToolchainError, UsageError
 from .manifest import Compilation, Export, ExportAttempt, MainMlirb, Manifest, Seconds, Source, head_section
 from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins, load_pins
 from .recipe import Recipe
@@ -162,6 +163,15 @@ def _source_section(pins: Pins) -> Source:
     )
 
 
+def check_free_space(final: Path, weight_bytes: int) -> None:
+    """Fail before the expensive work when the bundle cannot fit (weights once, plus the graph)."""
+    probe = next(p for p in [final.parent, *final.parent.parents] if p.exists())
+    need = weight_bytes + (64 << 10)
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputError(f"{probe}: not enough free space for the bundle (needs about {need:,} bytes, {free:,} free)")
+
+
 def plan(cfg: BuildConfig) -> dict[str, Any]:
     """What a build would do; checks everything that can be checked without heavy work."""
     from .source import require_verified, resolve_source
@@ -172,6 +182,7 @@ def plan(cfg: BuildConfig) -> dict[str, Any]:
     check_output_path(final, cfg.overwrite)
     source = resolve_source(cfg.source, pins)
     checks = require_verified(source, pins)
+    check_free_space(final, (source / WEIGHTS_FILE).stat().st_size * (1 if recipe.weights == "fp16w32" else 2))
     return {
         "recipe": str(cfg.recipe_path),
         "name": recipe.name,
@@ -294,6 +305,9 @@ def run_export_worker(source: Path, pins_path: Path, recipe_path: Path, recipe: 
         raise
     if proc.wait() != 0:
         last = other[-1] if other else "no message"
+        if "No space left on device" in last or "Read-only file system" in last:
+            cause = "No space left on device" if "No space" in last else "Read-only file system"
+            raise OutputError(f"{asset_dir.parent}: cannot write the asset ({cause})")
         raise ToolchainError(f"export worker exited with status {proc.returncode}: {last}")
     return json.loads(out.strip().splitlines()[-1])
 
@@ -324,8 +338,8 @@ def _worker_main(job_text: str) -> int:
         t_build = time.perf_counter() - t0
         t0 = time.perf_counter()
         try:
-            with torch.inference_mode():
-                program = convert(graph, recipe, config.hidden_size, coreai_torch, log)
+            # not under inference_mode: torch.export traces twice as fast without it
+            program = convert(graph, recipe, config.hidden_size, coreai_torch, log)
         except ClefError:
             raise
         except Exception as exc:
@@ -336,7 +350,10 @@ def _worker_main(job_text: str) -> int:
         t0 = time.perf_counter()
         asset_dir = Path(job["asset_dir"])
         log(f"saving {asset_dir.name}")
-        _save_asset(program, asset_dir, pins)
+        try:
+            _save_asset(program, asset_dir, pins)
+        except (OSError, RuntimeError) as exc:
+            raise OutputError(f"{asset_dir}: cannot write the asset ({_root_cause(exc)})") from exc
         t_save = time.perf_counter() - t0
     except ClefError as exc:
         print(f"ERROR {type(exc).__name__} {exc}", file=sys.stderr, flush=True)
@@ -344,6 +361,12 @@ def _worker_main(job_text: str) -> int:
     print(json.dumps({"build": t_build, "export": t_export, "save": t_save, "hidden_size": config.hidden_size,
                       "aslr_disabled": _aslr_disabled()}))
     return 0
+
+
+def _root_cause(exc: BaseException) -> str:
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
 
 
 def _save_asset(program, asset_dir: Path, pins: Pins) -> None:
@@ -388,7 +411,7 @@ def build_record(cfg: BuildConfig, pins: Pins, info: dict[str, Any], bundle: Pat
     }
 
 
-_ERRORS = {cls.__name__: cls for cls in (UsageError, IntegrityError, NumericError, ToolchainError, ClefError)}
+_ERRORS = {cls.__name__: cls for cls in (UsageError, IntegrityError, NumericError, ToolchainError, OutputError, ClefError)}
 
 if __name__ == "__main__":
     sys.exit(_worker_main(sys.argv[1]))
