@@ -8,8 +8,16 @@ SYNTH := .cache/synth/real-seed0
 RECIPE := conversion/head_bucket_fp16w32.toml
 BUNDLE := build/clef_flash_head_bucket_fp16w32
 SOURCES := $(wildcard clef_flash/*.py) $(RECIPE)
+# REAL=1: the pinned Cloudflare/clef-flash files from the HF cache (run `make fetch` first, online).
+ifeq ($(REAL),1)
+SRC_DEPS :=
+SRC_ARGS := --pins manifests/clef-flash.source.json
+else
+SRC_DEPS := $(SYNTH)/pins.json
+SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
+endif
 
-.PHONY: setup build test verify bench clean
+.PHONY: setup build test verify bench artifact fetch clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -29,13 +37,20 @@ $(AUTHOR): $(STAMP)
 $(SYNTH)/pins.json: $(AUTHOR) | $(STAMP)
 	$(BIN)/clef-export synth $(SYNTH) --config real --seed 0 --author-code $(AUTHOR) --overwrite
 
-$(BUNDLE)/metadata.json: $(SYNTH)/pins.json $(SOURCES)
-	$(BIN)/clef-export build $(RECIPE) --source $(SYNTH) --pins $(SYNTH)/pins.json --out build --overwrite
+$(BUNDLE)/metadata.json: $(SRC_DEPS) $(SOURCES)
+	$(BIN)/clef-export build $(RECIPE) $(SRC_ARGS) --out build --overwrite
 
 build: setup $(BUNDLE)/metadata.json
 
 verify: build
-	$(BIN)/clef-export verify $(BUNDLE) --source $(SYNTH) --pins $(SYNTH)/pins.json
+	$(BIN)/clef-export verify $(BUNDLE) $(SRC_ARGS)
+
+fetch: setup
+	$(BIN)/clef-export fetch
+
+# build -> verify -> AOT where xcrun coreai-build exists -> dist/ with SHA256SUMS
+artifact: setup $(SRC_DEPS)
+	$(BIN)/clef-export release $(RECIPE) $(SRC_ARGS) --dist dist --overwrite
 
 test: setup
 	CLEF_AUTHOR_CODE=$(AUTHOR) $(BIN)/python -m pytest -q -ra

@@ -150,6 +150,7 @@ def synth(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
     author_code: Annotated[Path, typer.Option("--author-code", help="The verified joint_schema_model.py.")] = Path(".cache/author/joint_schema_model.py"),
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing folder.")] = False,
+    lm_head_vocab: Annotated[Optional[int], typer.Option("--lm-head-vocab", help="Also write an lm_head shard + index of this many rows (the real vocabulary is 248320).")] = None,
 ) -> None:
     """Write a synthetic snapshot (random bf16 weights, fixed seed) and its pins.json; labelled synthetic."""
     from .contract import CONFIGS
@@ -158,7 +159,11 @@ def synth(
     if config not in CONFIGS:
         err.print(f"[bold red]error:[/] --config must be one of {', '.join(sorted(CONFIGS))}, got {config!r}")
         raise typer.Exit(2)
-    pins = _run(lambda: write_synth(out_dir, config_name=config, seed=seed, author_code=author_code, overwrite=overwrite))
+    if lm_head_vocab is not None and lm_head_vocab < 1:
+        err.print("[bold red]error:[/] --lm-head-vocab must be >= 1")
+        raise typer.Exit(2)
+    pins = _run(lambda: write_synth(out_dir, config_name=config, seed=seed, author_code=author_code, overwrite=overwrite,
+                                    lm_head_vocab=lm_head_vocab))
     err.print(f"synthetic snapshot ({config}, seed {seed}) in {out_dir}; pins {out_dir / 'pins.json'} (revision {pins.revision[:12]})")
 
 
@@ -172,6 +177,7 @@ def build(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check pins, source and output; build nothing.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run the gate on the saved asset before it lands.")] = True,
     verify_records: Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for --verify.")] = None,
+    aot_compile: Annotated[bool, typer.Option("--aot", help="AOT-compile after the build (macOS, Xcode 27).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Verify hashes, trace ClefHeadGraph per bucket, convert to one .aimodel, write metadata.json."""
@@ -182,7 +188,16 @@ def build(
         r = load_recipe(recipe)
         cfg = BuildConfig(recipe=r, recipe_path=recipe or DEFAULT_RECIPE, source=source, pins_path=pins, out=out,
                           overwrite=overwrite, dry_run=dry_run, verify=verify, verify_records=verify_records)
-        return do_build(cfg, log=_log)
+        if aot_compile and not dry_run:
+            from .aot import find_coreai_build
+
+            find_coreai_build()  # missing toolchain: exit 5 before the expensive work
+        res = do_build(cfg, log=_log)
+        if aot_compile and not dry_run:
+            from .aot import AotConfig, aot_compile as compile_bundle
+
+            res.manifest = compile_bundle(AotConfig(bundle=res.bundle), log=_log)
+        return res
 
     result = _run(go)
     if dry_run:
@@ -254,6 +269,72 @@ def verify(
             err.print(f"[bold red]FAIL[/] {f}")
         raise typer.Exit(4)
     err.print("[bold green]verified[/]: every bar passed")
+
+
+@app.command()
+def aot(
+    bundle: Annotated[Path, typer.Argument(help="A built bundle folder.")],
+    platform: Annotated[str, typer.Option("--platform")] = "macOS",
+    preferred_compute: Annotated[str, typer.Option("--preferred-compute")] = "gpu",
+    architecture: Annotated[str, typer.Option("--architecture")] = "h16c",
+    json_out: JsonOpt = False,
+) -> None:
+    """AOT-compile the asset with `xcrun coreai-build` (macOS, Xcode 27); fills aot and compilation."""
+    from .aot import AotConfig, aot_compile
+
+    cfg = AotConfig(bundle=bundle, platform=platform, preferred_compute=preferred_compute, architecture=architecture)
+    m = _run(lambda: aot_compile(cfg, log=_log))
+    if json_out:
+        _emit_json(m.model_dump(mode="json"))
+    err.print(f"[bold green]compiled[/] {bundle} for {architecture} in {m.aot.seconds:.2f} s")
+
+
+@app.command()
+def release(
+    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")] = None,
+    source: SourceOpt = None,
+    pins: PinsOpt = PINS_DEFAULT,
+    dist: Annotated[Path, typer.Option("--dist", help="The release folder.")] = Path("dist"),
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing release folder (atomically).")] = False,
+    verify_records: Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for the gate.")] = None,
+    aot_mode: Annotated[str, typer.Option("--aot", help="auto (when xcrun coreai-build exists), on, off.")] = "auto",
+    json_out: JsonOpt = False,
+) -> None:
+    """Build, verify, AOT where available, and write dist/ with SHA256SUMS for every file."""
+    from .recipe import DEFAULT_RECIPE, load_recipe
+    from .release import ReleaseConfig, release as do_release
+
+    if aot_mode not in ("auto", "on", "off"):
+        err.print(f"[bold red]error:[/] --aot must be auto, on or off, got {aot_mode!r}")
+        raise typer.Exit(2)
+
+    def go():
+        r = load_recipe(recipe)
+        return do_release(ReleaseConfig(recipe=r, recipe_path=recipe or DEFAULT_RECIPE, source=source, pins_path=pins,
+                                        dist=dist, overwrite=overwrite, verify_records=verify_records, aot=aot_mode), log=_log)
+
+    summary = _run(go)
+    if json_out:
+        _emit_json(summary)
+    err.print(f"[bold green]released[/] {summary['dist']}: {len(summary['files'])} files + SHA256SUMS")
+
+
+@app.command("lm-head-table")
+def lm_head_table_cmd(
+    source: SourceOpt = None,
+    pins: PinsOpt = PINS_DEFAULT,
+    out: Annotated[Path, typer.Option("--out", help="Folder for lm_head_fp16.bin and its sidecar.")] = Path("build/host"),
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing files.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write lm_head.weight as raw fp16 (the host's lexical table) with a checked JSON sidecar."""
+    from .lm_head import lm_head_table
+    from .pins import load_pins
+
+    result = _run(lambda: lm_head_table(source, load_pins(pins), pins, out, overwrite=overwrite, log=_log))
+    if json_out:
+        _emit_json(result)
+    err.print(f"[bold green]wrote[/] {result['table']}: {result['shape']} fp16, {result['bytes']:,} bytes, sha256 {result['sha256'][:16]}…")
 
 
 @app.command("verify-artifact")

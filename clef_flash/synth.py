@@ -50,7 +50,23 @@ def synth_state(config: dict, seed: int, module=None) -> dict:
     return state
 
 
-def write_synth(out: Path, *, config_name: str, seed: int, author_code: Path, overwrite: bool = False) -> Pins:
+def synth_lm_head(vocab: int, hidden: int, seed: int):
+    """A seeded ``lm_head.weight`` [vocab, hidden] in bf16, built in row blocks (bounded memory)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    out = torch.empty((vocab, hidden), dtype=torch.bfloat16)
+    for r0 in range(0, vocab, 8192):
+        r1 = min(vocab, r0 + 8192)
+        out[r0:r1] = (0.02 * torch.randn((r1 - r0, hidden), generator=gen)).to(torch.bfloat16)
+    return out
+
+
+LM_HEAD_SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def write_synth(out: Path, *, config_name: str, seed: int, author_code: Path, overwrite: bool = False,
+                lm_head_vocab: int | None = None) -> Pins:
     """Write a snapshot-shaped folder and its pins (``pins.json``) atomically; return the pins."""
     import torch
     from safetensors.torch import save
@@ -86,8 +102,30 @@ def write_synth(out: Path, *, config_name: str, seed: int, author_code: Path, ov
         (tmp / CODE_FILE).write_bytes(code)
         (tmp / CONFIG_FILE).write_bytes(config_bytes)
         (tmp / WEIGHTS_FILE).write_bytes(weights)
+        if lm_head_vocab:
+            files.update(_write_lm_head(tmp, lm_head_vocab, int(config["hidden_size"]), seed))
+            revision = hashlib.sha1("".join(f"{k}:{v}\n" for k, v in sorted(files.items())).encode()).hexdigest()
+            pins = pins.model_copy(update={"files": dict(sorted(files.items())), "revision": revision})
         atomic_write_json(tmp / "pins.json", pins.model_dump(mode="json"))
     return pins
+
+
+def _write_lm_head(folder: Path, vocab: int, hidden: int, seed: int) -> dict[str, str]:
+    """A backbone-shaped pair of shards and their index; ``lm_head.weight`` in the second."""
+    import torch
+    from safetensors.torch import save_file
+
+    from .lm_head import INDEX_FILE, TENSOR
+    from .pins import sha256_file
+
+    first, second = LM_HEAD_SHARDS
+    save_file({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}, str(folder / first),
+              metadata={"format": "pt", "synthetic": "true"})
+    save_file({TENSOR: synth_lm_head(vocab, hidden, seed)}, str(folder / second), metadata={"format": "pt", "synthetic": "true"})
+    index = {"metadata": {"total_size": (vocab * hidden + hidden) * 2, "synthetic": True},
+             "weight_map": {TENSOR: second, "model.norm.weight": first}}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return {name: sha256_file(folder / name) for name in (INDEX_FILE, first, second)}
 
 
 def _config_model(config: dict):

@@ -31,17 +31,18 @@ def author_module(author_code):
     return load_author_module(author_code, AUTHOR_SHA256)
 
 
-def _synth(tmp_path_factory, author_code, config: str, seed: int) -> Path:
+def _synth(tmp_path_factory, author_code, config: str, seed: int, lm_head_vocab: int | None = None) -> Path:
     from clef_flash.synth import write_synth
 
     out = tmp_path_factory.mktemp(f"src-{config}-{seed}") / "snapshot"
-    write_synth(out, config_name=config, seed=seed, author_code=author_code)
+    write_synth(out, config_name=config, seed=seed, author_code=author_code, lm_head_vocab=lm_head_vocab)
     return out
 
 
 @pytest.fixture(scope="session")
 def tiny_source(tmp_path_factory, author_code) -> Path:
-    return _synth(tmp_path_factory, author_code, "tiny", 0)
+    """The tiny head plus a backbone-shaped lm_head shard of 512 rows."""
+    return _synth(tmp_path_factory, author_code, "tiny", 0, lm_head_vocab=512)
 
 
 @pytest.fixture(scope="session")
