@@ -72,6 +72,7 @@ def inspect_bundle(bundle: Path) -> dict[str, Any]:
     from .gate import check_bundle
 
     manifest, asset, _ = check_bundle(bundle)
+    order = {name: i for i, (name, _) in enumerate(manifest.head.buckets)}
     return {
         "name": manifest.name,
         "kind": manifest.kind,
@@ -79,5 +80,5 @@ def inspect_bundle(bundle: Path) -> dict[str, Any]:
         "main_mlirb_bytes": manifest.export.main_mlirb.bytes,
         "aimodel_bytes": manifest.export.aimodel_bytes,
         "source": manifest.head.source.model_dump(),
-        "functions": describe_asset(asset),
+        "functions": sorted(describe_asset(asset), key=lambda f: order.get(f["name"], len(order))),
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime as dt
+import gc
 import json
 import os
 import platform
@@ -120,35 +121,80 @@ def example_inputs(bucket: int, hidden_size: int, q_pad: int, o_pad: int):
     )
 
 
-def trace_program(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int, coreai_torch):
-    import torch
+def trace_groups(buckets: tuple[int, ...]) -> list[tuple[str, tuple[int, ...]]]:
+    """Buckets that attend in one block (T <= KEY_BLOCK) share one trace with a dynamic T, later
+    specialised statically per bucket; a larger bucket (key blocks) is traced on its own."""
+    plain = tuple(b for b in buckets if b <= contract.KEY_BLOCK)
+    groups: list[tuple[str, tuple[int, ...]]] = [("dynamic", plain)] if len(plain) >= 2 else [("static", (b,)) for b in plain]
+    return groups + [("static", (b,)) for b in buckets if b > contract.KEY_BLOCK]
 
-    args = example_inputs(bucket, hidden_size, q_pad, o_pad)
+
+DYNAMIC_ENTRY = "tdyn"
+
+
+def trace_program(graph, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int, coreai_torch):
+    """torch.export (static T, or dynamic T over ``buckets``) and the coreai decompositions."""
+    import torch
+    from torch.export import Dim
+
+    dynamic_shapes = None
+    if len(buckets) > 1:
+        t = Dim("T", min=min(buckets), max=max(buckets))
+        axes = {"hidden": 0, "key_valid": 0, "q_avg": 1, "o_avg": 1, "g_avg": 1}
+        dynamic_shapes = {n: ({axes[n]: t} if n in axes else None) for n in contract.INPUT_ORDER}
+    args = example_inputs(max(buckets), hidden_size, q_pad, o_pad)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(graph, args, strict=False)
+        ep = torch.export.export(graph, args, dynamic_shapes=dynamic_shapes, strict=False)
         return ep.run_decompositions(coreai_torch.get_decomp_table())
 
 
+def _specialise(program, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int) -> None:
+    """One static function per bucket from the dynamic-T graph, named like the rest (t512 …)."""
+    from coreai._compiler.ir import StringAttr
+    from coreai.authoring.graph_builder import GraphOp
+
+    config = {}
+    for b in buckets:
+        shapes = contract.input_shapes(b, hidden_size, q_pad, o_pad)
+        config[f"b{b}"] = {n: shapes[n] for n in ("hidden", "key_valid", "q_avg", "o_avg", "g_avg")}
+    program.set_static_shape_config(DYNAMIC_ENTRY, config)  # -> graphs tdyn_b512, tdyn_b1024, …
+    prefix = f"{DYNAMIC_ENTRY}_b"
+    # coreai names the clones <entrypoint>_<key>; the manifest's names are t<T> (private IR access,
+    # pinned to coreai-core 1.0.0b3)
+    with program._module:  # noqa: SLF001
+        for op in program._module._body.region.blocks[0].operations:  # noqa: SLF001
+            if isinstance(op, GraphOp) and op.sym_name.value.startswith(prefix):
+                op.attributes["sym_name"] = StringAttr.get(contract.function_name(int(op.sym_name.value[len(prefix):])))
+
+
 def convert(graph, recipe: Recipe, hidden_size: int, coreai_torch, log=lambda msg: None):
-    """One converter, one entrypoint per bucket: returns the optimized multi-function program."""
+    """One converter, one entrypoint per trace group: returns the optimized multi-function program
+    with one function per bucket."""
     from coreai_torch import TorchConverter
     from coreai_torch.debugging.debug_info import strip_debug_info
 
     converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
-    for bucket in recipe.buckets:
-        name = contract.function_name(bucket)
-        log(f"tracing {name}")
-        ep = trace_program(graph, bucket, hidden_size, recipe.q_pad, recipe.o_pad, coreai_torch)
+    dynamic: tuple[int, ...] = ()
+    for kind, buckets in trace_groups(recipe.buckets):
+        names = ", ".join(contract.function_name(b) for b in buckets)
+        log(f"tracing {names}" + (" (one trace, dynamic T)" if kind == "dynamic" else ""))
+        ep = trace_program(graph, buckets, hidden_size, recipe.q_pad, recipe.o_pad, coreai_torch)
+        ep.example_inputs = None  # up to 64 MB of zeros per program that nothing reads again
+        gc.collect()  # the tracer's fake tensors and graphs hold cycles
+        entry = DYNAMIC_ENTRY if kind == "dynamic" else contract.function_name(buckets[0])
+        dynamic = buckets if kind == "dynamic" else dynamic
         converter.add_exported_program(
             ep,
             input_names=list(contract.INPUT_ORDER),
             output_names=list(contract.OUTPUT_NAMES),
-            entrypoint_name=name,
+            entrypoint_name=entry,
         )
     log("converting")
     with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
         program = converter.to_coreai()
+        if dynamic:
+            _specialise(program, dynamic, hidden_size, recipe.q_pad, recipe.o_pad)
     strip_debug_info(program)  # source locations would embed this machine's paths
     return program
 
@@ -347,6 +393,7 @@ def _worker_main(job_text: str) -> int:
             raise ToolchainError(f"export of {recipe.name} failed: {type(exc).__name__}: {first}") from exc
         t_export = time.perf_counter() - t0
         del graph, head
+        gc.collect()  # free the fp16 weights before save_asset clones the module (+244 MB)
         t0 = time.perf_counter()
         asset_dir = Path(job["asset_dir"])
         log(f"saving {asset_dir.name}")

@@ -48,14 +48,14 @@ def test_killed_and_interrupted_builds_then_reproducible_rebuild(tmp_path, tiny_
 
     # SIGKILL mid-conversion: the previous bundle is untouched; a stale temp folder may remain
     p = start_build(tiny_source, out, tmp_path)
-    wait_for(p, "tracing t1024")
+    wait_for(p, "tracing t4096")
     os.killpg(p.pid, signal.SIGKILL)
     p.wait()
     assert tree_hash(out / NAME) == before
 
     # SIGINT (Ctrl-C) mid-conversion: exit 130, its temp removed, the stale one swept
     p = start_build(tiny_source, out, tmp_path)
-    wait_for(p, "tracing t1024")
+    wait_for(p, "tracing t4096")
     os.killpg(p.pid, signal.SIGINT)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-1000:]
