@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .bundle import atomic_write_bytes
-from .errors import IntegrityError, ToolchainError
+from .errors import IntegrityError, ToolchainError, first_validation_error
 from .pins import sha256_bytes
 
 AUTHOR_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
@@ -130,9 +130,7 @@ def load_config(path: Path, expected_sha256: str | None = None) -> HeadConfig:
     try:
         return HeadConfig.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-        raise IntegrityError(f"{path}: invalid head config at {where}: {first['msg']}") from None
+        raise IntegrityError(f"{path}: invalid head config {first_validation_error(exc)}") from None
 
 
 def load_state(path: Path, expected_sha256: str | None = None) -> dict[str, Any]:

@@ -71,6 +71,9 @@ def _emit_json(obj: Any) -> None:
 PinsOpt = Annotated[Path, typer.Option("--pins", help="Pins file: hf_id, revision, file -> sha256.")]
 SourceOpt = Annotated[Optional[Path], typer.Option("--source", help="Snapshot folder (default: the pinned revision in the HF cache).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
+RecipeArg = Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically).")]
+VerifyRecordsOpt = Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for the gate.")]
 
 
 @app.command("author-code")
@@ -135,7 +138,7 @@ def verify_hashes(source: SourceOpt = None, pins: PinsOpt = PINS_DEFAULT, json_o
             t.add_column(col)
         for c in checks:
             t.add_row(c.name, c.expected[:16] + "…", (c.actual or "-")[:16] + ("…" if c.actual else ""),
-                      "[green]ok[/]" if c.ok else f"[red]{c.cause}[/]")
+                      ("[green]ok[/]" if c.cause == "ok" else f"[yellow]{c.cause}[/]") if c.ok else f"[red]{c.cause}[/]")
         err.print(t)
     bad = [c for c in checks if not c.ok]
     if bad:
@@ -149,7 +152,7 @@ def synth(
     config: Annotated[str, typer.Option("--config", help="Head configuration: real or tiny.")] = "real",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
     author_code: Annotated[Path, typer.Option("--author-code", help="The verified joint_schema_model.py.")] = Path(".cache/author/joint_schema_model.py"),
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing folder.")] = False,
+    overwrite: OverwriteOpt = False,
     lm_head_vocab: Annotated[Optional[int], typer.Option("--lm-head-vocab", help="Also write an lm_head shard + index of this many rows (the real vocabulary is 248320).")] = None,
 ) -> None:
     """Write a synthetic snapshot (random bf16 weights, fixed seed) and its pins.json; labelled synthetic."""
@@ -169,14 +172,14 @@ def synth(
 
 @app.command()
 def build(
-    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")] = None,
+    recipe: RecipeArg = None,
     source: SourceOpt = None,
     pins: PinsOpt = PINS_DEFAULT,
     out: Annotated[Path, typer.Option("--out", help="Output folder; the bundle lands in OUT/<recipe name>/.")] = Path("build"),
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing bundle (atomically).")] = False,
+    overwrite: OverwriteOpt = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check pins, source and output; build nothing.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run the gate on the saved asset before it lands.")] = True,
-    verify_records: Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for --verify.")] = None,
+    verify_records: VerifyRecordsOpt = None,
     aot_compile: Annotated[bool, typer.Option("--aot", help="AOT-compile after the build (macOS, Xcode 27).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -291,12 +294,12 @@ def aot(
 
 @app.command()
 def release(
-    recipe: Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")] = None,
+    recipe: RecipeArg = None,
     source: SourceOpt = None,
     pins: PinsOpt = PINS_DEFAULT,
     dist: Annotated[Path, typer.Option("--dist", help="The release folder.")] = Path("dist"),
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing release folder (atomically).")] = False,
-    verify_records: Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for the gate.")] = None,
+    overwrite: OverwriteOpt = False,
+    verify_records: VerifyRecordsOpt = None,
     aot_mode: Annotated[str, typer.Option("--aot", help="auto (when xcrun coreai-build exists), on, off.")] = "auto",
     json_out: JsonOpt = False,
 ) -> None:
@@ -324,7 +327,7 @@ def lm_head_table_cmd(
     source: SourceOpt = None,
     pins: PinsOpt = PINS_DEFAULT,
     out: Annotated[Path, typer.Option("--out", help="Folder for lm_head_fp16.bin and its sidecar.")] = Path("build/host"),
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace existing files.")] = False,
+    overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Write lm_head.weight as raw fp16 (the host's lexical table) with a checked JSON sidecar."""

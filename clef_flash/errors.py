@@ -37,3 +37,10 @@ class ToolchainError(ClefError):
     """A required toolchain (coreai, xcrun, pip) is missing or failed."""
 
     exit_code = 5
+
+
+def first_validation_error(exc) -> str:
+    """A pydantic ``ValidationError`` as one line: ``at <field path>: <message>``."""
+    first = exc.errors()[0]
+    where = ".".join(str(x) for x in first["loc"]) or "(top level)"
+    return f"at {where}: {first['msg']}"

@@ -11,7 +11,7 @@ from pathlib import Path, PurePosixPath
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import UsageError
+from .errors import UsageError, first_validation_error
 
 CODE_FILE = "joint_schema_model.py"
 WEIGHTS_FILE = "joint_head.safetensors"
@@ -66,9 +66,7 @@ def load_pins(path: Path) -> Pins:
     try:
         return Pins.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-        raise UsageError(f"{path}: invalid pins at {where}: {first['msg']}") from None
+        raise UsageError(f"{path}: invalid pins {first_validation_error(exc)}") from None
 
 
 def sha256_file(path: Path) -> str:

@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .contract import BUCKETS, O_PAD, Q_PAD, Shape
-from .errors import UsageError
+from .errors import UsageError, first_validation_error
 
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "conversion" / "head_bucket_fp16w32.toml"
 
@@ -56,6 +56,4 @@ def load_recipe(path: Path | None) -> Recipe:
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(x) for x in first["loc"]) or "(top level)"
-        raise UsageError(f"{path}: invalid recipe at {where}: {first['msg']}") from None
+        raise UsageError(f"{path}: invalid recipe {first_validation_error(exc)}") from None

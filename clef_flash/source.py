@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import IntegrityError, UsageError
-from .pins import Pins, sha256_file
+from .pins import HEAD_FILES, Pins, sha256_file
 
 
 @dataclass(frozen=True)
@@ -23,16 +23,21 @@ class FileCheck:
     cause: str  # "ok", "missing", "sha256 mismatch", "not a regular file"
 
 
-def check_source(source: Path, pins: Pins) -> list[FileCheck]:
-    """sha256 of every pinned file under ``source`` (symlinks into an HF cache are followed)."""
+def check_source(source: Path, pins: Pins, names: tuple[str, ...] | None = None) -> list[FileCheck]:
+    """sha256 of every pinned file under ``source`` (or of ``names``; symlinks into an HF cache
+    are followed)."""
     source = Path(source)
     if not source.is_dir():
         raise IntegrityError(f"{source}: source folder not found")
     checks: list[FileCheck] = []
     for name, expected in sorted(pins.files.items()):
+        if names is not None and name not in names:
+            continue
         path = source / name
         if not path.exists():
-            checks.append(FileCheck(name, expected, None, False, "missing"))
+            # the head's files are required; other pinned files (the lm_head shard) only when present
+            required = name in HEAD_FILES
+            checks.append(FileCheck(name, expected, None, not required, "missing" if required else "absent (optional)"))
             continue
         if not path.is_file():
             checks.append(FileCheck(name, expected, None, False, "not a regular file"))
@@ -43,9 +48,10 @@ def check_source(source: Path, pins: Pins) -> list[FileCheck]:
     return checks
 
 
-def require_verified(source: Path, pins: Pins) -> list[FileCheck]:
-    """``check_source``, raising ``IntegrityError`` on the first failed file."""
-    checks = check_source(source, pins)
+def require_verified(source: Path, pins: Pins, names: tuple[str, ...] | None = HEAD_FILES) -> list[FileCheck]:
+    """``check_source`` of the head's files (by default), raising ``IntegrityError`` on the first
+    failed file."""
+    checks = check_source(source, pins, names)
     for c in checks:
         if not c.ok:
             detail = f" (expected {c.expected[:12]}…, got {c.actual[:12]}…)" if c.actual else ""
@@ -70,7 +76,8 @@ def fetch(
     local_dir: Path | None = None,
     allow_unpinned: bool = False,
 ) -> Path:
-    """Download each pinned file by commit (``hf_hub_download``), verify it, return its folder.
+    """Download the head's pinned files by commit (``hf_hub_download``), verify each, return their
+    folder. (The lm_head shard is fetched on its own, by ``lm-head-table``.)
 
     Honours ``HF_HOME``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` through huggingface_hub itself.
     A file whose bytes do not match its pin is removed from ``local_dir`` (never left to be used).
@@ -89,7 +96,7 @@ def fetch(
     rev = _check_revision(pins, revision, allow_unpinned)
     hf_logging.set_verbosity_error()  # our one-line errors say what failed; no retry chatter
     folder: Path | None = None
-    for name in sorted(pins.files):
+    for name in HEAD_FILES:
         where = f"{pins.hf_id}@{rev[:12]}/{name}"
         try:
             path = Path(
@@ -141,7 +148,7 @@ def cached_snapshot(pins: Pins, cache_dir: Path | None = None) -> Path:
     from huggingface_hub import try_to_load_from_cache
 
     folder: Path | None = None
-    for name in sorted(pins.files):
+    for name in HEAD_FILES:
         hit = try_to_load_from_cache(pins.hf_id, name, revision=pins.revision, cache_dir=cache_dir)
         if not isinstance(hit, str):
             raise IntegrityError(

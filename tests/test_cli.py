@@ -39,6 +39,17 @@ def test_verify_hashes_ok_then_tampered_then_missing(tmp_path, tiny_source):
     r = invoke("verify-hashes", "--source", src, "--pins", pins, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["ok"] is True
+    # pinned files beyond the head's (the lm_head shard) are checked when present, optional when absent
+    shard = src / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+    r = invoke("verify-hashes", "--source", src, "--pins", pins)
+    assert r.exit_code == 3 and "model-00002-of-00002.safetensors: sha256 mismatch" in r.output
+    shard.unlink()
+    r = invoke("verify-hashes", "--source", src, "--pins", pins, "--json")
+    assert r.exit_code == 0, r.output
+    causes = {f["file"]: f["cause"] for f in json.loads(r.stdout)["files"]}
+    assert causes["model-00002-of-00002.safetensors"] == "absent (optional)" and causes["joint_head.safetensors"] == "ok"
     w = src / "joint_head_config.json"
     w.write_bytes(w.read_bytes().replace(b"64", b"65", 1))
     r = invoke("verify-hashes", "--source", src, "--pins", pins)
