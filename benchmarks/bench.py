@@ -59,7 +59,7 @@ def bench_builds(source: Path, pins: Path, runs: int, work: Path) -> dict:
         rows["build"].append({"wall": wall_b, "rss_mb": rss_b, "stages": manifest["export"]["seconds"]})
         rows["baseline"].append({"wall": wall_r, "rss_mb": rss_r, "stages": json.loads(out_r.strip().splitlines()[-1])})
         print(f"  pair {i}: build {wall_b:.1f} s / {rss_b:.0f} MB, baseline {wall_r:.1f} s / {rss_r:.0f} MB", file=sys.stderr)
-    ratios = [b["wall"] / r["wall"] for b, r in zip(rows["build"], rows["baseline"])]
+    ratios = [b["wall"] / r["wall"] for b, r in zip(rows["build"], rows["baseline"], strict=True)]
     return {**rows, "ratios": ratios, "mlirb_bytes": manifest["export"]["main_mlirb"]["bytes"],
             "bundle": str(work / "b" / NAME)}
 
@@ -182,7 +182,7 @@ def main() -> None:
         f"| build / baseline, pair by pair | {', '.join(f'{x:.2f}' for x in builds['ratios'])} | <= 0.5 |",
         f"| build peak RSS MB | {spread(b_rss)} | <= 1024 |",
         f"| baseline peak RSS MB | {spread(r_rss)} | |",
-        f"| build stages s (last run) | " + ", ".join(f"{k} {v:.2f}" for k, v in builds['build'][-1]['stages'].items()) + " | |",
+        "| build stages s (last run) | " + ", ".join(f"{k} {v:.2f}" for k, v in builds['build'][-1]['stages'].items()) + " | |",
         f"| verify-hashes sha256 GB/s (in-process) | {hashes['ours_gb_s']:.2f} | >= 1, >= sha256sum |",
         f"| sha256sum GB/s | {hashes['sha256sum_gb_s']:.2f} | |",
         f"| `clef-export verify-hashes` command s ({hashes['bytes'] / 1e6:.0f} MB) | {hashes['verify_hashes_command_s']:.2f} | |",

@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import ClefError, UsageError
+from .errors import ClefError
 
 PINS_DEFAULT = Path(__file__).resolve().parent.parent / "manifests" / "clef-flash.source.json"
 

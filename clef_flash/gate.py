@@ -191,7 +191,7 @@ def random_records(n: int, bucket: int, lower: int, hidden_size: int, vocab: int
             counts[rng.integers(0, nq)] += 1
         span_max = max(1, min(12, length // 4))
 
-        def span() -> tuple[int, int]:
+        def span(length: int = length, span_max: int = span_max) -> tuple[int, int]:
             s = int(rng.integers(0, length))
             e = min(length, s + int(rng.integers(1, span_max + 1)))
             return (s, e)
@@ -282,7 +282,7 @@ def red_arrays(arrays: dict[str, np.ndarray], arm: str) -> dict[str, np.ndarray]
 
 
 def _max_dp(pa: list[np.ndarray], pb: list[np.ndarray]) -> float:
-    return max(float(np.abs(x - y).max()) for x, y in zip(pa, pb))
+    return max(float(np.abs(x - y).max()) for x, y in zip(pa, pb, strict=True))
 
 
 async def _run_gate(cfg: VerifyConfig, manifest: Manifest, asset: Path, module, head, records_for, log):
@@ -331,7 +331,7 @@ async def _run_gate(cfg: VerifyConfig, manifest: Manifest, asset: Path, module, 
         log(f"{len(jobs)} asset calls in {time.perf_counter() - t0:.1f} s")
 
     results: list[FunctionResult] = []
-    by_key = {(name, r_i, arm): out for (name, r_i, arm, _), out in zip(jobs, outs)}
+    by_key = {(name, r_i, arm): out for (name, r_i, arm, _), out in zip(jobs, outs, strict=True)}
     for name, bucket in funcs:
         res = FunctionResult(function=name, bucket=bucket)
         t0 = time.perf_counter()
@@ -345,7 +345,7 @@ async def _run_gate(cfg: VerifyConfig, manifest: Manifest, asset: Path, module, 
             p_ref = [torch.from_numpy(x).softmax(-1).numpy() for x in ref]
             dlogit = float(np.abs(got[: hi.options] - ref_flat).max())
             dp = _max_dp(p_got, p_ref)
-            agree = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(p_got, p_ref))
+            agree = sum(int(np.argmax(a) == np.argmax(b)) for a, b in zip(p_got, p_ref, strict=True))
             pad = float(np.abs(got[hi.options :]).max()) if hi.options < len(got) else 0.0
             res.records += 1
             res.questions += len(p_ref)

@@ -55,7 +55,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
         top = torch.maximum(top, s.amax(dim=-1, keepdim=True))
     num = None
     den = None
-    for s, start in zip(scores, starts):
+    for s, start in zip(scores, starts, strict=True):
         e = torch.exp(s - top)
         part = torch.matmul(e, v[:, start : start + block])
         num = part if num is None else num + part

@@ -203,7 +203,7 @@ def answers(
                 "type": "score",
                 "score": round(total, 4),
                 "confidence": round(max(pr[level] for level in levels), 4),
-                "legend": dict(zip(levels, spec["criteria"])),
+                "legend": dict(zip(levels, spec["criteria"], strict=True)),
                 "probabilities": {level: round(pr[level], 4) for level in levels},
             }
         else:

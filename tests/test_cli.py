@@ -6,10 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
-import pytest
 from typer.testing import CliRunner
 
 from clef_flash.cli import app

@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
