@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import secrets
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,38 @@ INDEX_FILE = "model.safetensors.index.json"
 TENSOR = "lm_head.weight"
 TABLE_FILE = "lm_head_fp16.bin"
 SIDECAR_FILE = "lm_head_fp16.json"
+
+
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+
+
+
+
+def _to_fp16(raw: bytearray, dtype: str) -> np.ndarray:
+    """Raw little-endian values -> fp16 with numpy and ml_dtypes (no torch: its libraries alone
+    would add ~300 MB of resident pages); out-of-range values become inf, reported by row."""
+    if dtype == "BF16":
+        import ml_dtypes
+
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.frombuffer(raw, dtype=ml_dtypes.bfloat16).astype(np.float16)
+    if dtype == "F16":
+        return np.frombuffer(raw, dtype="<f2").astype(np.float16)
+    else:
+        wide = np.frombuffer(raw, dtype="<f4")
+    with np.errstate(over="ignore", invalid="ignore"):
+        return wide.astype(np.float16)
+
+
+def _tensor_location(path: Path) -> tuple[str, int]:
+    """dtype and absolute byte offset of ``lm_head.weight``'s data, from the safetensors header."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    info = header[TENSOR]
+    if info["dtype"] not in _ITEMSIZE:
+        raise IntegrityError(f"{path}: {TENSOR} has dtype {info['dtype']}; expected BF16, F16 or F32")
+    return info["dtype"], 8 + n + int(info["data_offsets"][0])
 
 
 def _pinned(pins: Pins, pins_path: Path, name: str) -> str:
@@ -49,8 +82,6 @@ def _locate(name: str, source: Path | None, pins: Pins) -> Path:
 def lm_head_table(source: Path | None, pins: Pins, pins_path: Path, out: Path, *, block_rows: int = 2048,
                   sample_rows: int = 64, overwrite: bool = False, log=lambda msg: None) -> dict[str, Any]:
     from safetensors import SafetensorError, safe_open
-
-    import torch
 
     out = Path(out)
     table_path, sidecar_path = out / TABLE_FILE, out / SIDECAR_FILE
@@ -76,37 +107,43 @@ def lm_head_table(source: Path | None, pins: Pins, pins_path: Path, out: Path, *
     digest = hashlib.sha256()
     t0 = time.perf_counter()
     try:
-        with safe_open(str(shard_path), framework="pt") as f:
+        with safe_open(str(shard_path), framework="numpy") as f:  # the library validates the file
             if TENSOR not in f.keys():
                 raise IntegrityError(f"{shard_path}: has no tensor {TENSOR}")
-            sl = f.get_slice(TENSOR)
-            shape = list(sl.get_shape())
-            if len(shape) != 2:
-                raise IntegrityError(f"{shard_path}: {TENSOR} has shape {shape}, expected [vocab, hidden]")
-            rows, hidden = shape
-            log(f"{TENSOR} [{rows}, {hidden}] {sl.get_dtype()} -> {TABLE_FILE}")
-            with open(tmp, "wb") as fh:
-                for r0 in range(0, rows, block_rows):
-                    block = sl[r0 : min(rows, r0 + block_rows)]
-                    half = block.to(torch.float16)
-                    bad = ~torch.isfinite(half).all(dim=1)
-                    if bool(bad.any()):
-                        row = r0 + int(torch.nonzero(bad)[0, 0])
-                        raise NumericError(f"{shard_path}: {TENSOR} row {row} does not fit fp16 (|x| > 65504 or not finite)")
-                    data = half.numpy().tobytes()
-                    digest.update(data)
-                    fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            # read back through a second path: a memmap of the file against the shard's rows
-            mm = np.memmap(tmp, dtype=np.float16, mode="r", shape=(rows, hidden))
-            rng = np.random.default_rng(0)
-            picks = sorted({0, rows - 1, *rng.integers(0, rows, size=max(0, sample_rows - 2)).tolist()})
+            shape = list(f.get_slice(TENSOR).get_shape())
+        if len(shape) != 2:
+            raise IntegrityError(f"{shard_path}: {TENSOR} has shape {shape}, expected [vocab, hidden]")
+        rows, hidden = shape
+        dtype, base = _tensor_location(shard_path)
+        log(f"{TENSOR} [{rows}, {hidden}] {dtype} -> {TABLE_FILE}")
+        row_bytes = hidden * _ITEMSIZE[dtype]
+        # plain reads of one block at a time: an mmap of the shard would count all 2 GB as resident
+        with open(shard_path, "rb", buffering=0) as src, open(tmp, "wb") as fh:
+            for r0 in range(0, rows, block_rows):
+                n = min(block_rows, rows - r0)
+                raw = bytearray(os.pread(src.fileno(), n * row_bytes, base + r0 * row_bytes))
+                if len(raw) != n * row_bytes:
+                    raise IntegrityError(f"{shard_path}: truncated at row {r0}")
+                half = _to_fp16(raw, dtype).reshape(n, hidden)
+                bad = ~np.isfinite(half).all(axis=1)
+                if bool(bad.any()):
+                    row = r0 + int(np.flatnonzero(bad)[0])
+                    raise NumericError(f"{shard_path}: {TENSOR} row {row} does not fit fp16 (|x| > 65504 or not finite)")
+                data = half.tobytes()
+                digest.update(data)
+                fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        # read back through a second path: a memmap of the written file against the shard's rows
+        mm = np.memmap(tmp, dtype=np.float16, mode="r", shape=(rows, hidden))
+        rng = np.random.default_rng(0)
+        picks = sorted({0, rows - 1, *rng.integers(0, rows, size=max(0, sample_rows - 2)).tolist()})
+        with open(shard_path, "rb", buffering=0) as src:
             for r in picks:
-                want = sl[r : r + 1].to(torch.float16).numpy()[0]
+                want = _to_fp16(bytearray(os.pread(src.fileno(), row_bytes, base + r * row_bytes)), dtype)
                 if not np.array_equal(mm[r].view(np.uint16), want.view(np.uint16)):
                     raise IntegrityError(f"{tmp}: read-back of row {r} differs from {shard_path}")
-            del mm
+        del mm
         os.replace(tmp, table_path)
     except SafetensorError as exc:
         raise IntegrityError(f"{shard_path}: corrupt safetensors ({exc})") from None
