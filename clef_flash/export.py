@@ -260,6 +260,8 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
         hidden_size = int(timings["hidden_size"])
 
         mlirb = asset_dir / "main.mlirb"
+        # every output hashed once: the manifest and the build record share these digests
+        outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir).items()}
         seconds = Seconds(build=t_build, export=t_export, optimize=0.0, save=t_save,
                           total=t_build + t_export + t_save)
         manifest = Manifest(
@@ -271,7 +273,7 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
                               hidden_size=hidden_size),
             export=Export(
                 aimodel_bytes=sum(p.stat().st_size for p in asset_dir.rglob("*") if p.is_file()),
-                main_mlirb=MainMlirb(bytes=mlirb.stat().st_size, sha256=file_sha256(mlirb)),
+                main_mlirb=MainMlirb(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
                 seconds=seconds,
                 export_attempts=[ExportAttempt(externalize="no externalize specs", ok=True, seconds=t_export)],
             ),
@@ -279,7 +281,8 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
             compilation=Compilation(date=build_date(), targets=[]),
         )
         atomic_write_json(tmp / "metadata.json", manifest.model_dump(mode="json"))
-        record = build_record(cfg, pins, info, tmp, hidden_size)
+        outputs["metadata.json"] = file_sha256(tmp / "metadata.json")
+        record = build_record(cfg, pins, dict(sorted(outputs.items())), hidden_size)
         record["parameters"]["aslr_disabled_for_naming"] = bool(timings.get("aslr_disabled"))
 
         if cfg.verify and recipe.verify.enabled:
@@ -433,7 +436,7 @@ def _save_asset(program, asset_dir: Path, pins: Pins) -> None:
     atomic_write_bytes(meta_path, dumps_json(json.loads(meta_path.read_text(encoding="utf-8")), sort_keys=True))
 
 
-def build_record(cfg: BuildConfig, pins: Pins, info: dict[str, Any], bundle: Path, hidden_size: int) -> dict[str, Any]:
+def build_record(cfg: BuildConfig, pins: Pins, outputs: dict[str, str], hidden_size: int) -> dict[str, Any]:
     recipe = cfg.recipe
     return {
         "record_version": "1",
@@ -450,7 +453,7 @@ def build_record(cfg: BuildConfig, pins: Pins, info: dict[str, Any], bundle: Pat
             "synthetic": pins.synthetic,
             "files": {name: {"sha256": digest} for name, digest in sorted(pins.files.items())},
         },
-        "outputs": tree_files(bundle),
+        "outputs": outputs,
         "environment": {**tool_versions(), "platform": sys.platform, "machine": platform.machine()},
         "source_date_epoch": source_date_epoch(),
         "synthetic": pins.synthetic,
