@@ -180,3 +180,20 @@ def test_verify_exits_3_on_tampered_bundle(tiny_bundle_copy, tiny_source):
     mlirb.write_bytes(bytes(data))
     r = invoke("verify", tiny_bundle_copy, "--source", tiny_source, "--pins", tiny_source / "pins.json", "--records", 1)
     assert r.exit_code == 3 and "main.mlirb: sha256" in r.output
+
+
+def test_fp32_recipe_builds_through_the_same_code(tmp_path, tiny_source, tiny_bundle):
+    from .conftest import build_bundle
+
+    bundle = build_bundle(tiny_source, tmp_path, recipe=ROOT / "conversion" / "head_bucket_fp32.toml", verify=True)
+    m = json.loads((bundle / "metadata.json").read_text())
+    assert bundle.name == "clef_flash_head_bucket_fp32" and m["head"]["weights"] == "fp32"
+    assert m["assets"]["main"] == "clef_flash_head_bucket_fp32.aimodel"
+    assert json.loads((bundle / "build-record.json").read_text())["verify"]["ok"] is True
+    from coreai.authoring.asset import AIModelAsset
+
+    storage = dict(AIModelAsset.load(bundle / m["assets"]["main"]).summary(include_statistics=True).storage_types)
+    from safetensors.torch import load_file
+
+    params = sum(t.numel() for t in load_file(str(tiny_source / "joint_head.safetensors")).values())
+    assert "Float16" not in storage and storage["Float32"] >= params  # every weight stored fp32

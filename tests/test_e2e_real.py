@@ -69,6 +69,12 @@ def test_real_manifest_matches_published(real_bundle):
         assert ours["head"][key] == pub["head"][key], key
     assert ours["kind"] == pub["kind"] and ours["metadata_version"] == pub["metadata_version"]
     assert ours["assets"] == pub["assets"] and ours["aot"] is None and ours["compilation"]["targets"] == []
+    from coreai.authoring.asset import AIModelAsset
+
+    # fp16w32: the weights are stored fp16, once for all four functions (four copies would be 4x);
+    # the optimizer folds only the small 1-D tensors' casts into fp32 constants
+    storage = dict(AIModelAsset.load(real_bundle / f"{NAME}.aimodel").summary(include_statistics=True).storage_types)
+    assert 0.998 * REAL_PARAMETERS <= storage["Float16"] <= REAL_PARAMETERS, storage
     size = ours["export"]["main_mlirb"]["bytes"]
     assert abs(size - PUBLISHED_MLIRB) / PUBLISHED_MLIRB <= 0.005, size
     assert (real_bundle / f"{NAME}.aimodel" / "main.mlirb").stat().st_size == size
