@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -153,3 +154,17 @@ def test_real_verify_every_function(real_bundle, real_source, tmp_path):
         assert f["max_abs_dp"] <= 1e-5 and f["argmax_agree"] == f["questions"] == 16
         assert f["rerun_identical"] and f["padding_max_abs"] == 0.0
     print("\nreal verify:", {f["function"]: (f["max_abs_dlogit"], f["max_abs_dp"]) for f in t["functions"]})
+
+
+def test_real_rebuild_is_byte_identical(real_bundle, real_source, tmp_path):
+    """A second real-configuration build, from another cwd, TZ and PYTHONHASHSEED: same bytes."""
+    env = dict(os.environ, TZ="America/St_Johns", PYTHONHASHSEED="77", TMPDIR=str(tmp_path))
+    exe = Path(sys.executable).parent / "clef-export"
+    r = subprocess.run([str(exe), "build", "--source", str(real_source), "--pins", str(real_source / "pins.json"),
+                        "--out", str(tmp_path / "again"), "--no-verify"], capture_output=True, text=True, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for name in ("main.mlirb", "main.hash"):
+        a = (real_bundle / f"{NAME}.aimodel" / name).read_bytes()
+        b = (tmp_path / "again" / NAME / f"{NAME}.aimodel" / name).read_bytes()
+        assert a == b, name
