@@ -295,9 +295,7 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
                 log=log,
             )
             record["verify"] = report.summary()
-            if not report.ok:
-                atomic_write_json(tmp / RECORD_FILE, record)
-                report.raise_for_failures()
+            report.raise_for_failures()  # the staged bundle is discarded: nothing lands
         atomic_write_json(tmp / RECORD_FILE, record)
         log(f"built in {time.perf_counter() - t_start:.1f} s")
     return BuildResult(bundle=final, manifest=manifest, record=record, plan=info)

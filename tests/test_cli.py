@@ -197,3 +197,14 @@ def test_fp32_recipe_builds_through_the_same_code(tmp_path, tiny_source, tiny_bu
 
     params = sum(t.numel() for t in load_file(str(tiny_source / "joint_head.safetensors")).values())
     assert "Float16" not in storage and storage["Float32"] >= params  # every weight stored fp32
+
+
+def test_failed_gate_in_build_lands_nothing(tmp_path, tiny_source, monkeypatch):
+    """`build --verify` with a bar no asset can meet: exit 4, no bundle, no stray folders."""
+    import clef_flash.gate as gate
+
+    monkeypatch.setitem(gate.TOLERANCES, "max_abs_dp", (1e-12, "a bar for this test only"))
+    r = invoke("build", "--source", tiny_source, "--pins", tiny_source / "pins.json", "--out", tmp_path)
+    assert r.exit_code == 4, r.output
+    assert "verification failed" in r.output and "max |d p|" in r.output
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []
