@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UsageError
+from .pins import sha256_file
 
 _TMP_TAG = ".tmp-"
 _OLD_TAG = ".old-"
@@ -189,11 +190,6 @@ def staged_dir(final: Path, overwrite: bool) -> Iterator[Path]:
         raise
 
 
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
 def tree_files(root: Path) -> dict[str, str]:
     """Every regular file under ``root`` (relative POSIX path -> sha256), sorted."""
     root = Path(root)
@@ -202,7 +198,7 @@ def tree_files(root: Path) -> dict[str, str]:
         if p.is_symlink():
             out[p.relative_to(root).as_posix()] = "symlink"
         elif p.is_file():
-            out[p.relative_to(root).as_posix()] = file_sha256(p)
+            out[p.relative_to(root).as_posix()] = sha256_file(p)
     return out
 
 

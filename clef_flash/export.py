@@ -25,13 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__, contract
-from .bundle import atomic_write_bytes, atomic_write_json, check_output_path, dumps_json, file_sha256, output_lock, staged_dir, tree_files
+from .bundle import atomic_write_bytes, atomic_write_json, check_output_path, dumps_json, output_lock, staged_dir, tree_files
 from .errors import ClefError, IntegrityError, NumericError, OutputError, ToolchainError, UsageError
-from .manifest import Compilation, Export, ExportAttempt, MainMlirb, Manifest, Seconds, Source, head_section
-from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins, load_pins
+from .manifest import KIND, METADATA_VERSION, Compilation, Export, ExportAttempt, MainMlirb, Manifest, Seconds, Source, head_section
+from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins, load_pins, sha256_file
 from .recipe import Recipe
 
-MANIFEST_VERSION = "0.2"
 from .artifact import RECORD_FILE  # noqa: E402
 NAMING_SEED = 0x0C1EF  # coreai's composite-graph suffixes, drawn from this seed: reproducible bytes
 
@@ -265,8 +264,8 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
         seconds = Seconds(build=t_build, export=t_export, optimize=0.0, save=t_save,
                           total=t_build + t_export + t_save)
         manifest = Manifest(
-            metadata_version=MANIFEST_VERSION,
-            kind="decision-head",
+            metadata_version=METADATA_VERSION,
+            kind=KIND,
             name=recipe.name,
             assets={"main": asset_dir.name},
             head=head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
@@ -281,7 +280,7 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
             compilation=Compilation(date=build_date(), targets=[]),
         )
         atomic_write_json(tmp / "metadata.json", manifest.model_dump(mode="json"))
-        outputs["metadata.json"] = file_sha256(tmp / "metadata.json")
+        outputs["metadata.json"] = sha256_file(tmp / "metadata.json")
         record = build_record(cfg, pins, dict(sorted(outputs.items())), hidden_size)
         record["parameters"]["aslr_disabled_for_naming"] = bool(timings.get("aslr_disabled"))
 

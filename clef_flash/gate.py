@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from . import contract
-from .bundle import file_sha256, tree_hash
+from .bundle import tree_hash
 from .errors import IntegrityError, NumericError
 from .host import Question, head_inputs, question_probs
 from .manifest import Manifest
+from .pins import sha256_file
 
 TOLERANCES: dict[str, tuple[float, str]] = {
     "max_abs_dp": (1e-5, "per-question fp32 softmax; the publisher measured 1.8e-7 on its GPU, and fp16 storage "
@@ -144,7 +145,7 @@ def check_bundle(bundle: Path) -> tuple[Manifest, Path, list[tuple[str, bool, st
     if not mlirb.is_file():
         raise IntegrityError(f"{mlirb}: missing")
     size = mlirb.stat().st_size
-    digest = file_sha256(mlirb)
+    digest = sha256_file(mlirb)
     if size != manifest.export.main_mlirb.bytes:
         raise IntegrityError(f"{mlirb}: {size} bytes, the manifest says {manifest.export.main_mlirb.bytes}")
     if digest != manifest.export.main_mlirb.sha256:

@@ -130,24 +130,6 @@ HEAD_DESCRIPTIVE_KEYS = (
 )
 
 
-class Tolerance(_Strict):
-    name: str
-    bar: float
-    reason: str
-
-
-class BuildRecord(_Strict):
-    """``build-record.json``: provenance, in a shape that wraps into an in-toto statement later."""
-
-    record_version: str = "1"
-    tool: dict[str, str]
-    parameters: dict[str, Any]
-    source: dict[str, Any]
-    outputs: dict[str, str]
-    environment: dict[str, str | None]
-    source_date_epoch: int | None
-    synthetic: bool
-    verify: dict[str, Any] | None = None
 
 
 def json_schema() -> dict[str, Any]:

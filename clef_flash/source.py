@@ -163,7 +163,4 @@ def resolve_source(source: Path | None, pins: Pins) -> Path:
     """An explicit ``--source`` folder, else the pinned snapshot in the HF cache."""
     if source is not None:
         return Path(source)
-    env = os.environ.get("CLEF_SOURCE")
-    if env:
-        return Path(env)
     return cached_snapshot(pins)

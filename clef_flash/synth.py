@@ -50,6 +50,11 @@ def synth_state(config: dict, seed: int, module=None) -> dict:
     return state
 
 
+def _revision(files: dict[str, str]) -> str:
+    """A 40-hex stand-in commit for a synthetic snapshot, derived from its files' digests."""
+    return hashlib.sha1("".join(f"{k}:{v}\n" for k, v in sorted(files.items())).encode()).hexdigest()
+
+
 def synth_lm_head(vocab: int, hidden: int, seed: int):
     """A seeded ``lm_head.weight`` [vocab, hidden] in bf16, built in row blocks (bounded memory)."""
     import torch
@@ -90,7 +95,7 @@ def write_synth(out: Path, *, config_name: str, seed: int, author_code: Path, ov
         CONFIG_FILE: sha256_bytes(config_bytes),
         WEIGHTS_FILE: sha256_bytes(weights),
     }
-    revision = hashlib.sha1("".join(f"{k}:{v}\n" for k, v in sorted(files.items())).encode()).hexdigest()
+    revision = _revision(files)
     pins = Pins(
         hf_id=SYNTH_HF_ID,
         revision=revision,
@@ -104,7 +109,7 @@ def write_synth(out: Path, *, config_name: str, seed: int, author_code: Path, ov
         (tmp / WEIGHTS_FILE).write_bytes(weights)
         if lm_head_vocab:
             files.update(_write_lm_head(tmp, lm_head_vocab, int(config["hidden_size"]), seed))
-            revision = hashlib.sha1("".join(f"{k}:{v}\n" for k, v in sorted(files.items())).encode()).hexdigest()
+            revision = _revision(files)
             pins = pins.model_copy(update={"files": dict(sorted(files.items())), "revision": revision})
         atomic_write_json(tmp / "pins.json", pins.model_dump(mode="json"))
     return pins
