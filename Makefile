@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 AUTHOR := .cache/author/joint_schema_model.py
 SYNTH := .cache/synth/real-seed0
 RECIPE := conversion/head_bucket_fp16w32.toml
+# what a release ships: the Core AI asset and the Core ML package for macOS 15 / 26
+RELEASE_RECIPES := $(RECIPE) conversion/head_bucket_fp16w32_mlpackage.toml
 BUNDLE := build/clef_flash_head_bucket_fp16w32
 SOURCES := $(wildcard clef_flash/*.py) $(RECIPE)
 # REAL=1: the pinned Cloudflare/clef-flash files from the HF cache (run `make fetch` first, online).
@@ -50,7 +52,7 @@ fetch: setup
 
 # build -> verify -> AOT where xcrun coreai-build exists -> dist/ with SHA256SUMS
 artifact: setup $(SRC_DEPS)
-	$(BIN)/clef-export release $(RECIPE) $(SRC_ARGS) --dist dist --overwrite
+	$(BIN)/clef-export release $(RELEASE_RECIPES) $(SRC_ARGS) --dist dist --overwrite
 
 test: setup
 	CLEF_AUTHOR_CODE=$(AUTHOR) $(BIN)/python -m pytest -q -ra

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from .artifact import RECORD_FILE, check_artifact
 from .bundle import atomic_write_json, output_lock, staged_dir, tree_files, tree_hash
-from .errors import ToolchainError
-from .manifest import Aot, Compilation, Manifest
+from .errors import ToolchainError, UsageError
+from .manifest import Aot, Compilation, Manifest, load_manifest, manifest_format
 
 NOTE = ("compiled for the gates with: xcrun coreai-build compile <this .aimodel> --output <dir> {flags} "
         "(not shipped; the Swift host specializes the .aimodel)")
@@ -54,10 +54,12 @@ def aot_compile(cfg: AotConfig, log=lambda msg: None) -> Manifest:
 
     bundle = Path(cfg.bundle)
     check_artifact(bundle)  # compile only what the build record vouches for
+    manifest = load_manifest((bundle / "metadata.json").read_bytes())
+    if not isinstance(manifest, Manifest):
+        raise UsageError(f"{bundle}: a {manifest_format(manifest)} bundle; coreai-build compiles .aimodel assets")
     tool = find_coreai_build()
     xcrun = shutil.which("xcrun")
     assert xcrun is not None
-    manifest = Manifest.model_validate_json((bundle / "metadata.json").read_bytes())
     asset_name = manifest.assets["main"]
     compiled_name = f"{Path(asset_name).stem}.{cfg.architecture}.aimodelc"
     with output_lock(bundle), staged_dir(bundle, overwrite=True) as tmp:

@@ -17,7 +17,8 @@ RECORD_FILE = "build-record.json"
 
 def check_artifact(bundle: Path) -> dict[str, Any]:
     """Every file of the bundle against the build record's digests, plus manifest and main.hash."""
-    from .gate import check_bundle
+    from .gate import _asset_digest, check_bundle
+    from .manifest import manifest_format
 
     bundle = Path(bundle)
     if not bundle.is_dir():
@@ -41,7 +42,7 @@ def check_artifact(bundle: Path) -> dict[str, Any]:
         if actual[name] != expected[name]:
             raise IntegrityError(f"{bundle / name}: sha256 differs from {RECORD_FILE}")
     return {"bundle": str(bundle), "files": len(actual), "name": manifest.name,
-            "main_mlirb_sha256": manifest.export.main_mlirb.sha256}
+            "format": manifest_format(manifest), "asset_sha256": _asset_digest(manifest)}
 
 
 async def _describe(asset: Path) -> list[dict[str, Any]]:
@@ -69,16 +70,27 @@ def describe_asset(asset: Path) -> list[dict[str, Any]]:
 
 
 def inspect_bundle(bundle: Path) -> dict[str, Any]:
+    """From the asset itself: the Core AI runtime's view of an ``.aimodel``, the saved spec of a
+    ``.mlpackage`` (no Core ML runtime on Linux)."""
     from .gate import check_bundle
+    from .manifest import MlpackageManifest, manifest_format
 
     manifest, asset, _ = check_bundle(bundle)
     order = {name: i for i, (name, _) in enumerate(manifest.head.buckets)}
+    if isinstance(manifest, MlpackageManifest):
+        from . import coreml
+
+        functions = coreml.describe(coreml.read_package(asset))
+        sizes = {"asset_bytes": manifest.export.mlpackage_bytes, "weight_bin_bytes": manifest.export.weight_bin.bytes}
+    else:
+        functions = describe_asset(asset)
+        sizes = {"asset_bytes": manifest.export.aimodel_bytes, "main_mlirb_bytes": manifest.export.main_mlirb.bytes}
     return {
         "name": manifest.name,
         "kind": manifest.kind,
+        "format": manifest_format(manifest),
         "weights": manifest.head.weights,
-        "main_mlirb_bytes": manifest.export.main_mlirb.bytes,
-        "aimodel_bytes": manifest.export.aimodel_bytes,
+        **sizes,
         "source": manifest.head.source.model_dump(),
-        "functions": sorted(describe_asset(asset), key=lambda f: order.get(f["name"], len(order))),
+        "functions": sorted(functions, key=lambda f: order.get(f["name"], len(order))),
     }

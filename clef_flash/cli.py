@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -73,6 +74,16 @@ SourceOpt = Annotated[Optional[Path], typer.Option("--source", help="Snapshot fo
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
 RecipeArg = Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically).")]
+
+
+class Format(str, Enum):
+    """Asset formats (the recipe's ``format``)."""
+
+    aimodel = "aimodel"
+    mlpackage = "mlpackage"
+
+
+FormatOpt = Annotated[Format, typer.Option("--format", help="aimodel (Core AI, macOS 27) or mlpackage (Core ML, macOS 15+).")]
 VerifyRecordsOpt = Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for the gate.")]
 
 
@@ -181,15 +192,23 @@ def build(
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run the gate on the saved asset before it lands.")] = True,
     verify_records: VerifyRecordsOpt = None,
     aot_compile: Annotated[bool, typer.Option("--aot", help="AOT-compile after the build (macOS, Xcode 27).")] = False,
+    format: Annotated[Optional[Format], typer.Option(
+        "--format", help="aimodel or mlpackage: picks the format's recipe in conversion/ when none is named.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Verify hashes, trace ClefHeadGraph per bucket, convert to one .aimodel, write metadata.json."""
+    """Verify hashes, trace ClefHeadGraph per bucket, convert to one multi-function asset, write metadata.json."""
+    from .errors import UsageError
     from .export import BuildConfig, build as do_build
-    from .recipe import DEFAULT_RECIPE, load_recipe
+    from .recipe import FORMAT_RECIPES, load_recipe
 
     def go():
-        r = load_recipe(recipe)
-        cfg = BuildConfig(recipe=r, recipe_path=recipe or DEFAULT_RECIPE, source=source, pins_path=pins, out=out,
+        recipe_path = recipe or FORMAT_RECIPES[(format or Format.aimodel).value]
+        r = load_recipe(recipe_path)
+        if format is not None and r.format != format.value:
+            raise UsageError(f"{recipe_path}: the recipe's format is {r.format}, not --format {format.value}")
+        if aot_compile and r.format != "aimodel":
+            raise UsageError(f"{recipe_path}: --aot compiles .aimodel assets with coreai-build; this recipe builds {r.format}")
+        cfg = BuildConfig(recipe=r, recipe_path=recipe_path, source=source, pins_path=pins, out=out,
                           overwrite=overwrite, dry_run=dry_run, verify=verify, verify_records=verify_records)
         if aot_compile and not dry_run:
             from .aot import find_coreai_build
@@ -214,12 +233,17 @@ def build(
     if json_out:
         _emit_json(m.model_dump(mode="json"))
     s = m.export.seconds
-    err.print(f"[bold green]built[/] {result.bundle}: main.mlirb {m.export.main_mlirb.bytes:,} bytes, "
-              f"export {s.export:.1f} s, total {s.total:.1f} s"
+    size = (f"main.mlirb {m.export.main_mlirb.bytes:,} bytes" if hasattr(m.export, "main_mlirb")
+            else f"weight.bin {m.export.weight_bin.bytes:,} bytes ({m.export.weight_storage})")
+    err.print(f"[bold green]built[/] {result.bundle}: {size}, export {s.export:.1f} s, total {s.total:.1f} s"
               + (" [yellow](synthetic source)[/]" if result.record.get("synthetic") else ""))
-    if result.record.get("verify"):
-        v = result.record["verify"]
+    v = result.record.get("verify")
+    if v and v["max_abs_dp"]:
         err.print(f"verified: max |d p| {max(v['max_abs_dp'].values()):.2e}, max |d logit| {max(v['max_abs_dlogit'].values()):.2e}")
+    for note in (v or {}).get("notes", []):
+        err.print(f"[yellow]not run here[/]: {note}")
+    if v and not v["max_abs_dp"]:
+        err.print(f"checked: {sum(v['checks'].values())}/{len(v['checks'])} checks of the saved package passed")
 
 
 def _print_report(report) -> None:
@@ -239,6 +263,8 @@ def _print_report(report) -> None:
         for r in report.results:
             err.print(f"  red arms {r.function}: " + ", ".join(f"{k} moved p by {v:.3g}" for k, v in r.red.items()))
     err.print("  bars: " + "; ".join(f"{k} <= {v[0]:g}" for k, v in TOLERANCES.items()))
+    for note in report.notes:
+        err.print(f"  [yellow]not run here[/]: {note}")
 
 
 @app.command()
@@ -253,7 +279,7 @@ def verify(
     transcript: Annotated[Optional[Path], typer.Option("--transcript", help="Write the JSON transcript here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run the asset with the Core AI runtime against the author's head; exit 4 if any bar fails."""
+    """Run the asset (Core AI; Core ML on macOS) against the author's head; exit 4 if any bar or check fails."""
     from .bundle import atomic_write_json
     from .gate import VerifyConfig, verify_bundle
 
@@ -271,7 +297,10 @@ def verify(
         for f in report.failures:
             err.print(f"[bold red]FAIL[/] {f}")
         raise typer.Exit(4)
-    err.print("[bold green]verified[/]: every bar passed")
+    if report.notes:
+        err.print(f"[bold green]checked[/]: {len(report.checks)} checks passed; outputs not compared on this platform")
+    else:
+        err.print("[bold green]verified[/]: every bar passed")
 
 
 @app.command()
@@ -294,7 +323,8 @@ def aot(
 
 @app.command()
 def release(
-    recipe: RecipeArg = None,
+    recipes: Annotated[Optional[list[Path]], typer.Argument(
+        help="Recipe TOMLs, one bundle each (default: conversion/head_bucket_fp16w32.toml).")] = None,
     source: SourceOpt = None,
     pins: PinsOpt = PINS_DEFAULT,
     dist: Annotated[Path, typer.Option("--dist", help="The release folder.")] = Path("dist"),
@@ -312,8 +342,8 @@ def release(
         raise typer.Exit(2)
 
     def go():
-        r = load_recipe(recipe)
-        return do_release(ReleaseConfig(recipe=r, recipe_path=recipe or DEFAULT_RECIPE, source=source, pins_path=pins,
+        paths = recipes or [DEFAULT_RECIPE]
+        return do_release(ReleaseConfig(recipes=tuple((load_recipe(p), p) for p in paths), source=source, pins_path=pins,
                                         dist=dist, overwrite=overwrite, verify_records=verify_records, aot=aot_mode), log=_log)
 
     summary = _run(go)
@@ -352,11 +382,11 @@ def verify_artifact(bundle: Annotated[Path, typer.Argument(help="A built bundle 
 
 
 @app.command()
-def schema() -> None:
-    """Print the JSON Schema of metadata.json."""
+def schema(format: FormatOpt = Format.aimodel) -> None:
+    """Print the JSON Schema of metadata.json (manifests/metadata*.schema.json hold them)."""
     from .manifest import json_schema
 
-    _emit_json(json_schema())
+    _emit_json(json_schema(format.value))
 
 
 @app.command()
@@ -368,7 +398,8 @@ def inspect(bundle: Annotated[Path, typer.Argument(help="A built bundle folder."
     if json_out:
         _emit_json(info)
         return
-    err.print(f"[bold]{info['name']}[/] ({info['kind']}), weights {info['weights']}, main.mlirb {info['main_mlirb_bytes']:,} bytes")
+    err.print(f"[bold]{info['name']}[/] ({info['kind']}, {info['format']}), weights {info['weights']}, "
+              f"{info['asset_bytes']:,} bytes")
     err.print(f"source: {info['source']['hf_id']}@{info['source']['revision'][:12]}")
     t = Table()
     for col in ("function", "inputs", "outputs"):

@@ -27,7 +27,8 @@ from typing import Any
 from . import __version__, contract
 from .bundle import atomic_write_bytes, atomic_write_json, check_output_path, dumps_json, output_lock, staged_dir, tree_files
 from .errors import ClefError, IntegrityError, NumericError, OutputError, ToolchainError, UsageError
-from .manifest import KIND, METADATA_VERSION, Compilation, Export, ExportAttempt, MainMlirb, Manifest, Seconds, Source, head_section
+from .manifest import (KIND, METADATA_VERSION, Compilation, Export, ExportAttempt, MainMlirb, Manifest, MlpackageExport,
+                       MlpackageManifest, Seconds, Source, head_section)
 from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins, load_pins, sha256_file
 from .recipe import Recipe
 
@@ -51,7 +52,7 @@ class BuildConfig:
 @dataclass
 class BuildResult:
     bundle: Path
-    manifest: Manifest
+    manifest: Manifest | MlpackageManifest
     record: dict[str, Any]
     plan: dict[str, Any] = field(default_factory=dict)
 
@@ -60,7 +61,7 @@ def tool_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version(), "clef-export": __version__}
-    for dist in ("torch", "coreai-core", "coreai-torch", "numpy", "safetensors", "huggingface_hub"):
+    for dist in ("torch", "coreai-core", "coreai-torch", "coremltools", "numpy", "safetensors", "huggingface_hub"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
@@ -253,32 +254,19 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
     if cfg.dry_run:
         return BuildResult(bundle=final, manifest=None, record={}, plan=info)  # type: ignore[arg-type]
     with output_lock(final), staged_dir(final, cfg.overwrite) as tmp:
-        asset_dir = tmp / f"{recipe.name}.aimodel"
+        asset_dir = tmp / f"{recipe.name}{recipe.asset_suffix}"
         timings = run_export_worker(source, cfg.pins_path, cfg.recipe_path, recipe, asset_dir, log)
         t_build, t_export, t_save = timings["build"], timings["export"], timings["save"]
         hidden_size = int(timings["hidden_size"])
 
-        mlirb = asset_dir / "main.mlirb"
         # every output hashed once: the manifest and the build record share these digests
         outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir).items()}
         seconds = Seconds(build=t_build, export=t_export, optimize=0.0, save=t_save,
                           total=t_build + t_export + t_save)
-        manifest = Manifest(
-            metadata_version=METADATA_VERSION,
-            kind=KIND,
-            name=recipe.name,
-            assets={"main": asset_dir.name},
-            head=head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
-                              hidden_size=hidden_size),
-            export=Export(
-                aimodel_bytes=sum(p.stat().st_size for p in asset_dir.rglob("*") if p.is_file()),
-                main_mlirb=MainMlirb(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
-                seconds=seconds,
-                export_attempts=[ExportAttempt(externalize="no externalize specs", ok=True, seconds=t_export)],
-            ),
-            aot=None,
-            compilation=Compilation(date=build_date(), targets=[]),
-        )
+        if recipe.format == "mlpackage":
+            manifest = _mlpackage_manifest(recipe, pins, asset_dir, outputs, seconds, hidden_size)
+        else:
+            manifest = _aimodel_manifest(recipe, pins, asset_dir, outputs, seconds, hidden_size)
         atomic_write_json(tmp / "metadata.json", manifest.model_dump(mode="json"))
         outputs["metadata.json"] = sha256_file(tmp / "metadata.json")
         record = build_record(cfg, pins, dict(sorted(outputs.items())), hidden_size)
@@ -298,6 +286,61 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
         atomic_write_json(tmp / RECORD_FILE, record)
         log(f"built in {time.perf_counter() - t_start:.1f} s")
     return BuildResult(bundle=final, manifest=manifest, record=record, plan=info)
+
+
+def _aimodel_manifest(recipe: Recipe, pins: Pins, asset_dir: Path, outputs: dict[str, str], seconds: Seconds,
+                      hidden_size: int) -> Manifest:
+    """The published manifest's shape, key for key."""
+    mlirb = asset_dir / "main.mlirb"
+    t_export = seconds.export
+    return Manifest(
+            metadata_version=METADATA_VERSION,
+            kind=KIND,
+            name=recipe.name,
+            assets={"main": asset_dir.name},
+            head=head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
+                              hidden_size=hidden_size),
+            export=Export(
+                aimodel_bytes=sum(p.stat().st_size for p in asset_dir.rglob("*") if p.is_file()),
+                main_mlirb=MainMlirb(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
+                seconds=seconds,
+                export_attempts=[ExportAttempt(externalize="no externalize specs", ok=True, seconds=t_export)],
+            ),
+            aot=None,
+            compilation=Compilation(date=build_date(), targets=[]),
+        )
+
+
+def _mlpackage_manifest(recipe: Recipe, pins: Pins, asset_dir: Path, outputs: dict[str, str], seconds: Seconds,
+                        hidden_size: int) -> MlpackageManifest:
+    """The same decision-head shape for a Core ML package, with ``format`` and its own export facts."""
+    from .coreml import DEPLOYMENT_TARGET, MODEL_FILE, PREDICTIONS_NOTE, WEIGHT_FILE
+
+    def part(rel: str) -> MainMlirb:
+        return MainMlirb(bytes=(asset_dir / rel).stat().st_size, sha256=outputs[f"{asset_dir.name}/{rel}"])
+
+    return MlpackageManifest(
+        metadata_version=METADATA_VERSION,
+        kind=KIND,
+        format="mlpackage",
+        name=recipe.name,
+        assets={"main": asset_dir.name},
+        head=head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
+                          hidden_size=hidden_size),
+        export=MlpackageExport(
+            mlpackage_bytes=sum(p.stat().st_size for p in asset_dir.rglob("*") if p.is_file()),
+            model=part(MODEL_FILE),
+            weight_bin=part(WEIGHT_FILE),
+            weight_storage="fp16" if recipe.weights == "fp16w32" else "fp32",
+            compute_precision="fp32",
+            minimum_deployment_target=DEPLOYMENT_TARGET,
+            coremltools=tool_versions()["coremltools"],
+            seconds=seconds,
+            predictions=PREDICTIONS_NOTE,
+        ),
+        aot=None,
+        compilation=Compilation(date=build_date(), targets=[]),
+    )
 
 
 ADDR_NO_RANDOMIZE = 0x0040000
@@ -373,7 +416,13 @@ def _worker_main(job_text: str) -> int:
         job = json.loads(job_text)
         recipe = _Recipe.model_validate(job["recipe"])
         pins = load_pins(Path(job["pins"]))
-        coreai_torch = _import_coreai()
+        if recipe.format == "mlpackage":
+            os.environ["TQDM_DISABLE"] = "1"  # coremltools' progress bars would flood the log
+            from .coreml import import_coremltools
+
+            import_coremltools()
+        else:
+            coreai_torch = _import_coreai()
         log("loading the author's head from verified bytes")
         t0 = time.perf_counter()
         dtype = torch.float16 if recipe.weights == "fp16w32" else torch.float32
@@ -382,26 +431,35 @@ def _worker_main(job_text: str) -> int:
         contract.check_contract(recipe.shape_contract, config.hidden_size)
         graph = ClefHeadGraph(head).eval()
         t_build = time.perf_counter() - t0
+        asset_dir = Path(job["asset_dir"])
         t0 = time.perf_counter()
         try:
-            # not under inference_mode: torch.export traces twice as fast without it
-            program = convert(graph, recipe, config.hidden_size, coreai_torch, log)
+            if recipe.format == "mlpackage":
+                from .coreml import export_mlpackage
+
+                t_export, t_save = export_mlpackage(graph, recipe, config.hidden_size, asset_dir,
+                                                    asset_description(pins), log)
+            else:
+                # not under inference_mode: torch.export traces twice as fast without it
+                program = convert(graph, recipe, config.hidden_size, coreai_torch, log)
         except ClefError:
             raise
+        except OSError as exc:
+            raise OutputError(f"{asset_dir}: cannot write the asset ({_root_cause(exc)})") from exc
         except Exception as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise ToolchainError(f"export of {recipe.name} failed: {type(exc).__name__}: {first}") from exc
-        t_export = time.perf_counter() - t0
-        del graph, head
-        gc.collect()  # free the fp16 weights before save_asset clones the module (+244 MB)
-        t0 = time.perf_counter()
-        asset_dir = Path(job["asset_dir"])
-        log(f"saving {asset_dir.name}")
-        try:
-            _save_asset(program, asset_dir, pins)
-        except (OSError, RuntimeError) as exc:
-            raise OutputError(f"{asset_dir}: cannot write the asset ({_root_cause(exc)})") from exc
-        t_save = time.perf_counter() - t0
+        if recipe.format == "aimodel":
+            t_export = time.perf_counter() - t0
+            del graph, head
+            gc.collect()  # free the fp16 weights before save_asset clones the module (+244 MB)
+            t0 = time.perf_counter()
+            log(f"saving {asset_dir.name}")
+            try:
+                _save_asset(program, asset_dir, pins)
+            except (OSError, RuntimeError) as exc:
+                raise OutputError(f"{asset_dir}: cannot write the asset ({_root_cause(exc)})") from exc
+            t_save = time.perf_counter() - t0
     except ClefError as exc:
         print(f"ERROR {type(exc).__name__} {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
@@ -416,14 +474,22 @@ def _root_cause(exc: BaseException) -> str:
     return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
 
 
+def asset_description(pins: Pins) -> dict[str, str]:
+    """What the asset itself says about its origin (a synthetic source is labelled as such)."""
+    label = "SYNTHETIC weights (not the real checkpoint)" if pins.synthetic else "Cloudflare clef-flash"
+    return {"author": "clef-export", "license": "Apache-2.0", "version": __version__,
+            "description": f"clef-flash joint schema head, {label}, {pins.hf_id}@{pins.revision}",
+            "synthetic": "true" if pins.synthetic else "false"}
+
+
 def _save_asset(program, asset_dir: Path, pins: Pins) -> None:
     from coreai.runtime import AIModelAssetMetadata
 
+    desc = asset_description(pins)
     meta = AIModelAssetMetadata()
-    meta.author = "clef-export"
-    meta.license = "Apache-2.0"
-    label = "SYNTHETIC weights (not the real checkpoint)" if pins.synthetic else "Cloudflare clef-flash"
-    meta.model_description = f"clef-flash joint schema head, {label}, {pins.hf_id}@{pins.revision}"
+    meta.author = desc["author"]
+    meta.license = desc["license"]
+    meta.model_description = desc["description"]
     asset = program.save_asset(asset_dir, metadata=meta)
     epoch = source_date_epoch()
     if epoch is not None:

@@ -12,6 +12,7 @@ Bars are data with a one-line reason each (``TOLERANCES``) and are written into 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import warnings
@@ -25,7 +26,7 @@ from . import contract
 from .bundle import tree_hash
 from .errors import IntegrityError, NumericError
 from .host import Question, head_inputs, question_probs
-from .manifest import Manifest
+from .manifest import AnyManifest, MlpackageManifest, load_manifest, manifest_format
 from .pins import sha256_file
 
 TOLERANCES: dict[str, tuple[float, str]] = {
@@ -96,6 +97,7 @@ class Report:
     results: list[FunctionResult]
     checks: list[tuple[str, bool, str]]
     transcript: dict[str, Any]
+    notes: list[str] = field(default_factory=list)  # what was not run here, and why
 
     @property
     def failures(self) -> list[str]:
@@ -117,6 +119,8 @@ class Report:
             "argmax": {r.function: f"{r.argmax_agree}/{r.questions}" for r in self.results},
             "bars": {k: v[0] for k, v in TOLERANCES.items()},
             "failures": self.failures,
+            "checks": {name: ok for name, ok, _ in self.checks},
+            "notes": self.notes,
         }
 
     def raise_for_failures(self) -> None:
@@ -128,17 +132,19 @@ class Report:
 # ---------------------------------------------------------------- bundle checks
 
 
-def check_bundle(bundle: Path) -> tuple[Manifest, Path, list[tuple[str, bool, str]]]:
+def check_bundle(bundle: Path) -> tuple[AnyManifest, Path, list[tuple[str, bool, str]]]:
     """The bundle against its manifest; raises ``IntegrityError`` naming the first broken file."""
     bundle = Path(bundle)
     meta = bundle / "metadata.json"
     try:
-        manifest = Manifest.model_validate_json(meta.read_bytes())
+        manifest = load_manifest(meta.read_bytes())
     except FileNotFoundError:
         raise IntegrityError(f"{meta}: missing") from None
     except ValueError as exc:
         raise IntegrityError(f"{meta}: not a valid manifest ({str(exc).splitlines()[0]})") from None
     asset = bundle / manifest.assets["main"]
+    if isinstance(manifest, MlpackageManifest):
+        return manifest, asset, _check_package_files(manifest, asset)
     mlirb = asset / "main.mlirb"
     hash_file = asset / "main.hash"
     checks: list[tuple[str, bool, str]] = []
@@ -159,6 +165,31 @@ def check_bundle(bundle: Path) -> tuple[Manifest, Path, list[tuple[str, bool, st
         raise IntegrityError(f"{hash_file}: does not hold the sha256 of main.mlirb")
     checks.append(("main.hash = sha256(main.mlirb)", True, "ok"))
     return manifest, asset, checks
+
+
+def _check_package_files(manifest: MlpackageManifest, package: Path) -> list[tuple[str, bool, str]]:
+    from .coreml import MODEL_FILE, WEIGHT_FILE
+
+    checks = []
+    for rel, want in ((MODEL_FILE, manifest.export.model), (WEIGHT_FILE, manifest.export.weight_bin)):
+        path = package / rel
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing")
+        size = path.stat().st_size
+        if size != want.bytes:
+            raise IntegrityError(f"{path}: {size} bytes, the manifest says {want.bytes}")
+        digest = sha256_file(path)
+        if digest != want.sha256:
+            raise IntegrityError(f"{path}: sha256 {digest[:12]}… differs from the manifest's {want.sha256[:12]}…")
+        checks.append((f"{Path(rel).name} sha256 = manifest", True, digest[:16]))
+    return checks
+
+
+def _asset_digest(manifest: AnyManifest) -> str:
+    """The digest that names the asset: main.mlirb's, or weight.bin's for a Core ML package."""
+    if isinstance(manifest, MlpackageManifest):
+        return manifest.export.weight_bin.sha256
+    return manifest.export.main_mlirb.sha256
 
 
 # ---------------------------------------------------------------- records
@@ -286,24 +317,19 @@ def _max_dp(pa: list[np.ndarray], pb: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(pa, pb, strict=True))
 
 
-async def _run_gate(cfg: VerifyConfig, manifest: Manifest, asset: Path, module, head, records_for, log):
-    """All asset calls of all functions go through one bounded queue: the CPU runtime runs a call
-    on about one core, so ``os.cpu_count()`` calls in flight use the machine."""
+@contextlib.asynccontextmanager
+async def coreai_runner(asset: Path, names: list[str]):
+    """``call(function, arrays) -> logits`` through the Core AI runtime. All calls of all functions
+    go through one bounded queue: the CPU runtime runs a call on about one core."""
     import os
 
-    import torch
     from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
-    hidden_size = head.hidden_norm.normalized_shape[0]
-    table_np = np.random.default_rng([cfg.seed, 7]).standard_normal((LEXICAL_VOCAB, hidden_size), dtype=np.float32)
-    table = torch.from_numpy(table_np)
-    funcs = [(name, b) for name, b in manifest.head.buckets if cfg.functions is None or name in cfg.functions]
     slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
-    loaded = AIModelAsset.load(asset)
-    async with loaded.executable() as model:
+    async with AIModelAsset.load(asset).executable() as model:
         fns = {}
-        for name, _ in funcs:
+        for name in names:
             fn = model.load_function(name)
             if fn is None:
                 raise IntegrityError(f"{asset}: function {name} not found")
@@ -314,6 +340,31 @@ async def _run_gate(cfg: VerifyConfig, manifest: Manifest, asset: Path, module, 
                 out = await fns[name]({k: NDArray(np.ascontiguousarray(v)) for k, v in arrays.items()})
                 return np.array(out["logits"].numpy(), dtype=np.float32, copy=True)
 
+        yield call
+
+
+@contextlib.asynccontextmanager
+async def coreml_runner(asset: Path, names: list[str]):
+    """``call(function, arrays) -> logits`` through Core ML (macOS; one call at a time)."""
+    from . import coreml
+
+    fns = {name: coreml.predictor(asset, name) for name in names}
+
+    async def call(name: str, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        return np.array(fns[name](arrays), dtype=np.float32, copy=True)
+
+    yield call
+
+
+async def _run_gate(cfg: VerifyConfig, manifest: AnyManifest, asset: Path, module, head, records_for, log, runner):
+    """Every record of every function through ``runner`` and through the author's head."""
+    import torch
+
+    hidden_size = head.hidden_norm.normalized_shape[0]
+    table_np = np.random.default_rng([cfg.seed, 7]).standard_normal((LEXICAL_VOCAB, hidden_size), dtype=np.float32)
+    table = torch.from_numpy(table_np)
+    funcs = [(name, b) for name, b in manifest.head.buckets if cfg.functions is None or name in cfg.functions]
+    async with runner(asset, [name for name, _ in funcs]) as call:
         jobs: list[tuple[str, int, str, Any]] = []  # (function, record, arm, HostInputs)
         for idx, (name, bucket) in enumerate(funcs):
             lower = funcs[idx - 1][1] if idx > 0 else 0
@@ -393,21 +444,36 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
                    "ok" if same else f"manifest names {src.hf_id}@{src.revision[:12]}, weights {src.joint_head_safetensors_sha256[:12]}…"
                                      f"; loaded {pins.hf_id}@{pins.revision[:12]}, weights {pins.files[WEIGHTS_FILE][:12]}…"))
 
-    module, _config, head = load_head(source, pins, torch.float32)
+    module, config, head = load_head(source, pins, torch.float32)
     recorded = load_recorded(cfg.recorded) if cfg.recorded else None
+    notes: list[str] = []
+    runner = coreai_runner
+    if isinstance(manifest, MlpackageManifest):
+        from . import coreml
+
+        log("reading the package back: functions, inputs, outputs, weights")
+        params = {k: v.numpy() for k, v in head.state_dict().items()}
+        checks.extend(coreml.check_package(coreml.read_package(asset), manifest.head.buckets, config.hidden_size,
+                                           manifest.head.weights, params))
+        runner = coreml_runner
+        if not coreml.can_predict():
+            notes.append(f"outputs not compared: {coreml.PREDICTIONS_NOTE}")
 
     def records_for(bucket: int, lower: int, hidden_size: int) -> list[Record]:
         if recorded is not None:
             return [r for r in recorded if lower < len(r.ids) <= bucket]
         return random_records(cfg.records, bucket, lower, hidden_size, LEXICAL_VOCAB, cfg.seed)
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        results = asyncio.run(_run_gate(cfg, manifest, asset, module, head, records_for, log))
+    results: list[FunctionResult] = []
+    if not notes:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = asyncio.run(_run_gate(cfg, manifest, asset, module, head, records_for, log, runner))
     transcript = {
         "bundle": str(cfg.bundle),
         "bundle_tree_sha256": tree_hash(cfg.bundle),
-        "main_mlirb_sha256": manifest.export.main_mlirb.sha256,
+        "format": manifest_format(manifest),
+        "asset_sha256": _asset_digest(manifest),
         "source": {"hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic},
         "bars": {k: {"bar": v[0], "reason": v[1]} for k, v in TOLERANCES.items()},
         "seed": cfg.seed,
@@ -415,10 +481,11 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
         "red": cfg.red,
         "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
         "functions": [r.__dict__ for r in results],
+        "notes": notes,
         "versions": tool_versions(),
         "seconds": time.perf_counter() - t_start,
     }
-    report = Report(bundle=Path(cfg.bundle), results=results, checks=checks, transcript=transcript)
+    report = Report(bundle=Path(cfg.bundle), results=results, checks=checks, transcript=transcript, notes=notes)
     transcript["ok"] = report.ok
     transcript["failures"] = report.failures
     return report

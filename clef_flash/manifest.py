@@ -6,7 +6,7 @@ schema``); a test keeps it in sync. Both the published manifest and ours validat
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -103,6 +103,54 @@ class Manifest(_Strict):
     compilation: Compilation
 
 
+class MlpackageExport(_Strict):
+    """The ``export`` section of a Core ML package manifest (``format: mlpackage``)."""
+
+    mlpackage_bytes: int = Field(ge=0)
+    model: MainMlirb  # Data/com.apple.CoreML/model.mlmodel
+    weight_bin: MainMlirb  # Data/com.apple.CoreML/weights/weight.bin
+    weight_storage: Literal["fp16", "fp32"]
+    compute_precision: Literal["fp32"]
+    minimum_deployment_target: str
+    coremltools: str
+    seconds: Seconds
+    predictions: str
+
+
+class MlpackageManifest(_Strict):
+    """``metadata.json`` of a Core ML package bundle: the same ``decision-head`` shape, naming its
+    format (the published ``.aimodel`` manifest has no ``format`` key and stays key for key)."""
+
+    metadata_version: str
+    kind: str
+    format: Literal["mlpackage"]
+    name: str
+    assets: dict[str, str]
+    head: Head
+    export: MlpackageExport
+    aot: Aot | None
+    compilation: Compilation
+
+
+AnyManifest = Manifest | MlpackageManifest
+FORMATS: dict[str, type[BaseModel]] = {"aimodel": Manifest, "mlpackage": MlpackageManifest}
+
+
+def manifest_format(manifest: BaseModel) -> str:
+    return "mlpackage" if isinstance(manifest, MlpackageManifest) else "aimodel"
+
+
+def load_manifest(data: bytes) -> AnyManifest:
+    """A bundle's ``metadata.json``: ``format: mlpackage`` selects the Core ML model, else the
+    published one. Raises ``ValueError`` (pydantic's) on anything else."""
+    import json
+
+    raw = json.loads(data)
+    if isinstance(raw, dict) and raw.get("format") == "mlpackage":
+        return MlpackageManifest.model_validate(raw)
+    return Manifest.model_validate(raw)
+
+
 def head_section(*, buckets: tuple[int, ...], weights: str, source: Source, hidden_size: int = 4096) -> Head:
     """Everything that describes the head; equal to the published values for the published recipe."""
     return Head(
@@ -130,10 +178,11 @@ HEAD_DESCRIPTIVE_KEYS = (
 )
 
 
+SCHEMA_FILES = {"aimodel": "metadata.schema.json", "mlpackage": "metadata-mlpackage.schema.json"}
 
 
-def json_schema() -> dict[str, Any]:
-    schema = Manifest.model_json_schema()
+def json_schema(fmt: str = "aimodel") -> dict[str, Any]:
+    schema = FORMATS[fmt].model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = "clef-export/metadata.schema.json"
+    schema["$id"] = f"clef-export/{SCHEMA_FILES[fmt]}"
     return schema

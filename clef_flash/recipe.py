@@ -11,7 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .contract import BUCKETS, O_PAD, Q_PAD, Shape
 from .errors import UsageError, first_validation_error
 
-DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "conversion" / "head_bucket_fp16w32.toml"
+CONVERSION = Path(__file__).resolve().parent.parent / "conversion"
+DEFAULT_RECIPE = CONVERSION / "head_bucket_fp16w32.toml"
+# the recipe ``build --format F`` uses when no recipe is named
+FORMAT_RECIPES = {"aimodel": DEFAULT_RECIPE, "mlpackage": CONVERSION / "head_bucket_fp16w32_mlpackage.toml"}
 
 
 class VerifyPlan(BaseModel):
@@ -30,7 +33,7 @@ class Recipe(BaseModel):
     q_pad: int = Field(default=Q_PAD, ge=1)
     o_pad: int = Field(default=O_PAD, ge=2)
     weights: Literal["fp16w32", "fp32"] = "fp16w32"
-    format: Literal["aimodel"] = "aimodel"
+    format: Literal["aimodel", "mlpackage"] = "aimodel"
     verify: VerifyPlan = VerifyPlan()
 
     @field_validator("name")
@@ -39,6 +42,10 @@ class Recipe(BaseModel):
         if v in (".", "..") or PurePath(v).name != v:
             raise ValueError("name must be a plain folder name")
         return v
+
+    @property
+    def asset_suffix(self) -> str:
+        return f".{self.format}"
 
     @property
     def shape_contract(self) -> Shape:

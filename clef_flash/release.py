@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .bundle import check_output_path, output_lock, staged_dir, tree_files
-from .errors import ToolchainError
+from .errors import ToolchainError, UsageError
 from .recipe import Recipe
 
 SUMS = "SHA256SUMS"
@@ -19,8 +19,7 @@ SUMS = "SHA256SUMS"
 
 @dataclass(frozen=True)
 class ReleaseConfig:
-    recipe: Recipe
-    recipe_path: Path
+    recipes: tuple[tuple[Recipe, Path], ...]  # (recipe, its file), one bundle each
     source: Path | None
     pins_path: Path
     dist: Path
@@ -30,14 +29,21 @@ class ReleaseConfig:
 
 
 def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
+    """Every recipe built and verified into one staged ``dist/``; AOT for the ``.aimodel`` ones."""
     from .aot import AotConfig, aot_compile, find_coreai_build
     from .bundle import atomic_write_bytes
     from .export import BuildConfig, build
 
     dist = Path(cfg.dist)
     check_output_path(dist, cfg.overwrite)
+    names = [r.name for r, _ in cfg.recipes]
+    if not names or len(set(names)) != len(names):
+        raise UsageError(f"release needs one or more recipes with distinct names, got {names}")
+    compilable = any(r.format == "aimodel" for r, _ in cfg.recipes)
     do_aot = cfg.aot == "on"
-    if cfg.aot == "auto":
+    if do_aot and not compilable:
+        raise UsageError("--aot on: coreai-build compiles .aimodel assets, and no recipe builds one")
+    if cfg.aot == "auto" and compilable:
         try:
             find_coreai_build()
             do_aot = True
@@ -45,16 +51,19 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
             log(f"no AOT compile: {exc}")
     elif do_aot:
         find_coreai_build()
+    bundles = []
     with output_lock(dist), staged_dir(dist, cfg.overwrite) as tmp:
-        result = build(BuildConfig(recipe=cfg.recipe, recipe_path=cfg.recipe_path, source=cfg.source,
-                                   pins_path=cfg.pins_path, out=tmp, verify=True,
-                                   verify_records=cfg.verify_records), log=log)
-        if not result.record.get("verify", {}).get("ok"):
-            raise ToolchainError(f"{result.bundle}: the gate did not run; a release needs it")
-        if do_aot:
-            aot_compile(AotConfig(bundle=result.bundle), log=log)
+        for recipe, recipe_path in cfg.recipes:
+            result = build(BuildConfig(recipe=recipe, recipe_path=recipe_path, source=cfg.source,
+                                       pins_path=cfg.pins_path, out=tmp, verify=True,
+                                       verify_records=cfg.verify_records), log=log)
+            if not result.record.get("verify", {}).get("ok"):
+                raise ToolchainError(f"{result.bundle}: the gate did not run; a release needs it")
+            if do_aot and recipe.format == "aimodel":
+                aot_compile(AotConfig(bundle=result.bundle), log=log)
+            bundles.append(result.bundle.name)
         files = tree_files(tmp)
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(files.items()))
         atomic_write_bytes(tmp / SUMS, lines.encode())
     log(f"release in {dist}: {len(files)} files, {SUMS}")
-    return {"dist": str(dist), "files": sorted(files), "aot": do_aot, "bundle": result.bundle.name}
+    return {"dist": str(dist), "files": sorted(files), "aot": do_aot, "bundles": bundles}

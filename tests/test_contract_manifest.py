@@ -10,7 +10,7 @@ import pytest
 
 from clef_flash import contract
 from clef_flash.errors import UsageError
-from clef_flash.manifest import HEAD_DESCRIPTIVE_KEYS, Manifest, Source, head_section, json_schema
+from clef_flash.manifest import HEAD_DESCRIPTIVE_KEYS, Manifest, Source, head_section, json_schema, load_manifest
 from clef_flash.pins import load_pins
 
 from .conftest import PUBLISHED, ROOT
@@ -41,6 +41,20 @@ def test_published_manifest_validates_and_schema_is_in_sync():
     checked_in = json.loads(SCHEMA.read_text())
     assert checked_in == json_schema(), "run `clef-export schema > manifests/metadata.schema.json`"
     jsonschema.validate(published(), checked_in)
+
+
+def test_mlpackage_schema_is_in_sync_and_separate():
+    checked_in = json.loads((ROOT / "manifests" / "metadata-mlpackage.schema.json").read_text())
+    assert checked_in == json_schema("mlpackage"), \
+        "run `clef-export schema --format mlpackage > manifests/metadata-mlpackage.schema.json`"
+    # the published .aimodel manifest is not a package manifest, and loads as what it is
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(published(), checked_in)
+    assert type(load_manifest(json.dumps(published()).encode())) is Manifest
+    wrong = published()
+    wrong["format"] = "aimodel"  # the published shape has no format key: one would be an extra
+    with pytest.raises(ValueError):
+        load_manifest(json.dumps(wrong).encode())
 
 
 def test_schema_rejects_extra_and_missing_keys():

@@ -1,0 +1,413 @@
+"""Core ML package (recipe ``format = "mlpackage"``): the same head for Macs without Core AI.
+
+ClefHeadGraph -> ``torch.export`` per bucket (static T) -> coremltools (macOS 15 opset, fp32 math)
+-> the ``clef::fp16_storage`` pass (every fp32 constant that fp16 holds exactly is stored fp16 behind
+a ``constexpr_cast``) -> one package per bucket -> ``save_multifunction`` (weights shared by all
+functions, stored once) -> one ``.mlpackage`` with functions ``t512`` … ``t4096``.
+
+coremltools cannot run Core ML predictions on Linux. What can be checked here is read back from
+the saved package (``read_package`` / ``check_package``): functions, input and output names,
+shapes and dtypes, fp32 math, and every stored weight against the author's. On macOS
+``predictor`` runs a function, and ``clef-export verify`` compares it with the author's head.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import sys
+import uuid
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from . import contract
+from .errors import IntegrityError, ToolchainError
+
+DEPLOYMENT_TARGET = "macOS15"  # the first release with multi-function models (spec 9, opset CoreML8)
+OPSET = "CoreML8"
+FP16_MIN_ELEMENTS = 16  # smaller constants (scalars, shapes) stay as they are: no storage to save
+MODEL_FILE = "Data/com.apple.CoreML/model.mlmodel"
+WEIGHT_FILE = "Data/com.apple.CoreML/weights/weight.bin"
+PREDICTIONS_NOTE = ("coremltools cannot run Core ML predictions on Linux: there `clef-export verify` checks the "
+                    "package's functions, inputs, outputs, fp32 math and every stored weight against the "
+                    "author's; on macOS 15+ it also runs each function against the author's head")
+_ARRAY_DTYPES = {"FLOAT32": "f32", "INT32": "i32", "FLOAT16": "f16", "DOUBLE": "f64"}
+
+
+def import_coremltools():
+    """coremltools, quietly (it warns about untested torch versions and missing macOS libraries)."""
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+            warnings.simplefilter("ignore")
+            import coremltools as ct
+    except ImportError as exc:
+        raise ToolchainError(f"coremltools is required for the mlpackage format ({exc.name} missing)") from None
+    return ct
+
+
+_PASS = "clef::fp16_storage"
+
+
+def register_fp16_pass() -> str:
+    """Register (once) the pass that stores exact fp16 constants as fp16.
+
+    The torch frontend folds ``weight.float()`` into an fp32 constant, so ``compute_precision=FLOAT32``
+    would store 4 bytes per parameter. Constants whose every value round-trips through fp16 go back
+    to fp16 storage behind ``constexpr_cast`` (fp16 -> fp32 at load time): the math stays fp32 and
+    no value changes, by construction."""
+    ct = import_coremltools()
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
+    from coremltools.converters.mil.mil.passes.helper import block_context_manager
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY, register_pass
+
+    if _PASS in PASS_REGISTRY:
+        return _PASS
+
+    class fp16_storage(AbstractGraphPass):  # noqa: N801 (coremltools names passes in snake case)
+        def apply(self, prog):
+            for func in prog.functions.values():
+                self._block(func)
+
+        @block_context_manager
+        def _block(self, block):
+            for op in list(block.operations):
+                for inner in op.blocks:
+                    self._block(inner)
+                if op.op_type != "const":
+                    continue
+                val = op.outputs[0].val
+                if not isinstance(val, np.ndarray) or val.dtype != np.float32 or val.size < FP16_MIN_ELEMENTS:
+                    continue
+                half = val.astype(np.float16)
+                if not np.array_equal(half.astype(np.float32), val):
+                    continue  # not exact in fp16: stays fp32
+                new = mb.constexpr_cast(source_val=half, output_dtype="fp32", before_op=op, name=f"{op.name}_fp16")
+                block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=new)
+                block.remove_ops([op])
+
+    register_pass(namespace="clef")(fp16_storage)
+    del ct
+    return _PASS
+
+
+def _pipeline(ct, weights: str):
+    pipeline = ct.PassPipeline.DEFAULT
+    if weights == "fp16w32":
+        pipeline.append_pass(register_fp16_pass())
+    return pipeline
+
+
+def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int, weights: str, out: Path) -> None:
+    """One static-T trace of ``graph`` converted and saved as a one-function package ``out``."""
+    import torch
+
+    from .export import example_inputs
+
+    ct = import_coremltools()
+    args = example_inputs(bucket, hidden_size, q_pad, o_pad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(graph, args, strict=False).run_decompositions()
+        ep.example_inputs = None
+        model = ct.convert(
+            ep,
+            convert_to="mlprogram",
+            minimum_deployment_target=getattr(ct.target, DEPLOYMENT_TARGET),
+            compute_precision=ct.precision.FLOAT32,
+            outputs=[ct.TensorType(name=name) for name in contract.OUTPUT_NAMES],
+            pass_pipeline=_pipeline(ct, weights),
+            skip_model_load=True,  # the model cannot be loaded on Linux; nothing here needs it
+        )
+        model.save(str(out))
+
+
+def export_mlpackage(graph, recipe, hidden_size: int, package: Path, description: dict[str, str],
+                     log: Callable[[str], None] = lambda msg: None) -> tuple[float, float]:
+    """The recipe's buckets as one multi-function ``.mlpackage`` at ``package`` (a fresh path);
+    returns the seconds spent tracing and converting, and saving."""
+    import gc
+    import time
+
+    t0 = time.perf_counter()
+
+    ct = import_coremltools()
+    parts = package.parent / f".{package.name}.parts"
+    parts.mkdir()
+    try:
+        desc = ct.utils.MultiFunctionDescriptor()
+        for bucket in recipe.buckets:
+            name = contract.function_name(bucket)
+            log(f"tracing and converting {name} (coremltools)")
+            part = parts / f"{name}.mlpackage"
+            convert_bucket(graph, bucket, hidden_size, recipe.q_pad, recipe.o_pad, recipe.weights, part)
+            gc.collect()
+            desc.add_function(str(part), src_function_name="main", target_function_name=name)
+        desc.default_function_name = contract.function_name(recipe.buckets[0])
+        t_export = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        log(f"joining {len(recipe.buckets)} functions into {package.name}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ct.utils.save_multifunction(desc, str(package))
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+    finalize_package(package, description)
+    return t_export, time.perf_counter() - t0
+
+
+def finalize_package(package: Path, description: dict[str, str]) -> None:
+    """Our metadata in the spec, and the same bytes from the same content: the spec serialised
+    with sorted maps, the package manifest's random item identifiers replaced by name-based ones."""
+    from .bundle import atomic_write_bytes
+
+    spec = load_spec(package)
+    meta = spec.description.metadata
+    meta.author = description.get("author", "")
+    meta.license = description.get("license", "")
+    meta.shortDescription = description.get("description", "")
+    meta.versionString = description.get("version", "")
+    for key, value in sorted(description.items()):
+        if key not in ("author", "license", "description", "version"):
+            meta.userDefined[key] = value
+    atomic_write_bytes(package / MODEL_FILE, spec.SerializeToString(deterministic=True))
+
+    manifest_path = package / "Manifest.json"
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    renamed = {old: str(uuid.uuid5(uuid.NAMESPACE_URL, f"clef-export:{item['path']}"))
+               for old, item in manifest["itemInfoEntries"].items()}
+    manifest["itemInfoEntries"] = {renamed[k]: v for k, v in manifest["itemInfoEntries"].items()}
+    manifest["rootModelIdentifier"] = renamed[manifest["rootModelIdentifier"]]
+    # the layout libmodelpackage itself writes, so that a tool opening the package rewrites the same bytes
+    atomic_write_bytes(manifest_path, (json.dumps(manifest, indent=4, sort_keys=True) + "\n").encode())
+
+
+def load_spec(package: Path):
+    """The package's spec, parsed straight from its file: opening a package through coremltools'
+    ``ModelPackage`` rewrites ``Manifest.json``, and a check must not touch what it checks."""
+    import_coremltools()
+    from coremltools.proto import Model_pb2
+
+    path = Path(package) / MODEL_FILE
+    spec = Model_pb2.Model()
+    try:
+        spec.ParseFromString(path.read_bytes())
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing") from None
+    except Exception as exc:  # protobuf's DecodeError: a truncated or foreign file
+        raise IntegrityError(f"{path}: not a Core ML model ({type(exc).__name__})") from None
+    return spec
+
+
+# ---------------------------------------------------------------- read back
+
+
+@dataclass
+class Blob:
+    offset: int
+    dtype: str  # "FLOAT16" / "FLOAT32"
+    shape: tuple[int, ...]
+    functions: set[str] = field(default_factory=set)
+
+
+@dataclass
+class FunctionSpec:
+    name: str
+    inputs: list[tuple[str, tuple[int, ...], str]]
+    outputs: list[tuple[str, tuple[int, ...], str]]
+    opset: str
+    ops: Counter
+    fp16_outputs: list[str]  # ops other than constexpr_cast that produce fp16 (math must be fp32)
+
+
+@dataclass
+class PackageInfo:
+    path: Path
+    specification_version: int
+    default_function: str
+    functions: list[FunctionSpec]
+    weight_bytes: int
+    blobs: dict[int, Blob]
+    metadata: dict[str, str]
+
+
+def _shape(tensor_type) -> tuple[int, ...]:
+    return tuple(int(d.constant.size) for d in tensor_type.dimensions)
+
+
+def read_package(package: Path) -> PackageInfo:
+    """The saved spec, read back: what a Core ML host will see (no Core ML runtime needed)."""
+    package = Path(package)
+    spec = load_spec(package)
+    from coremltools.proto import FeatureTypes_pb2, MIL_pb2
+
+    array_name = FeatureTypes_pb2.ArrayFeatureType.ArrayDataType.Name
+
+    def features(items) -> list[tuple[str, tuple[int, ...], str]]:
+        return [(f.name, tuple(int(s) for s in f.type.multiArrayType.shape),
+                 _ARRAY_DTYPES.get(array_name(f.type.multiArrayType.dataType), "?")) for f in items]
+
+    blobs: dict[int, Blob] = {}
+    functions = []
+    # a one-function model describes its function at the top level, under the name "main"
+    described = list(spec.description.functions) or [spec.description]
+    for fd in described:
+        fd_name = fd.name if spec.description.functions else "main"
+        fn = spec.mlProgram.functions[fd_name]
+        block = fn.block_specializations[fn.opset]
+        ops: Counter = Counter()
+        fp16_out = []
+        for op in block.operations:
+            ops[op.type] += 1
+            values = [op.attributes["val"]] if op.type == "const" else [
+                arg.value for binding in op.inputs.values() for arg in binding.arguments if arg.HasField("value")]
+            for value in values:
+                if value.WhichOneof("value") == "blobFileValue":
+                    t = value.type.tensorType
+                    blob = blobs.setdefault(value.blobFileValue.offset, Blob(
+                        offset=value.blobFileValue.offset, dtype=MIL_pb2.DataType.Name(t.dataType), shape=_shape(t)))
+                    blob.functions.add(fd_name)
+            if op.type != "constexpr_cast":
+                fp16_out += [o.name for o in op.outputs
+                             if o.type.WhichOneof("type") == "tensorType"
+                             and MIL_pb2.DataType.Name(o.type.tensorType.dataType) == "FLOAT16"]
+        functions.append(FunctionSpec(name=fd_name, inputs=features(fd.input), outputs=features(fd.output),
+                                      opset=fn.opset, ops=ops, fp16_outputs=fp16_out))
+    weight = package / WEIGHT_FILE
+    meta = spec.description.metadata
+    return PackageInfo(
+        path=package, specification_version=spec.specificationVersion,
+        default_function=spec.description.defaultFunctionName, functions=functions,
+        weight_bytes=weight.stat().st_size if weight.is_file() else 0, blobs=blobs,
+        metadata={"author": meta.author, "license": meta.license, "description": meta.shortDescription,
+                  "version": meta.versionString, **dict(meta.userDefined)},
+    )
+
+
+def read_blob(package: Path, blob: Blob) -> np.ndarray:
+    from coremltools.libmilstoragepython import _BlobStorageReader
+
+    reader = _BlobStorageReader(str(Path(package) / WEIGHT_FILE))
+    if blob.dtype == "FLOAT16":
+        return np.asarray(reader.read_fp16_data(blob.offset)).view(np.float16)
+    if blob.dtype == "FLOAT32":
+        return np.asarray(reader.read_float_data(blob.offset), dtype=np.float32)
+    raise IntegrityError(f"{Path(package) / WEIGHT_FILE}: blob at {blob.offset} has dtype {blob.dtype}")
+
+
+def check_package(info: PackageInfo, buckets: list[tuple[str, int]], hidden_size: int, weights: str,
+                  params: dict[str, np.ndarray], q_pad: int = contract.Q_PAD,
+                  o_pad: int = contract.O_PAD) -> list[tuple[str, bool, str]]:
+    """The checks that need no Core ML runtime; each row is (check, ok, detail)."""
+    rows: list[tuple[str, bool, str]] = []
+    names = [name for name, _ in buckets]
+    got = [f.name for f in info.functions]
+    rows.append(("functions = manifest", sorted(got) == sorted(names), ", ".join(got)))
+    rows.append(("default function", info.default_function == names[0], info.default_function or "none"))
+    rows.append((f"spec >= 9, opset {OPSET}", info.specification_version >= 9 and all(f.opset == OPSET for f in info.functions),
+                 f"spec {info.specification_version}, " + ", ".join(sorted({f.opset for f in info.functions}))))
+    by_name = {f.name: f for f in info.functions}
+    for name, bucket in buckets:
+        fn = by_name.get(name)
+        if fn is None:
+            continue
+        shapes = contract.input_shapes(bucket, hidden_size, q_pad, o_pad)
+        want_in = [(n, tuple(shapes[n]), contract.INPUT_SPECS[n][1]) for n in contract.INPUT_ORDER]
+        bad = [f"{n} {s} {d}" for (n, s, d) in fn.inputs if (n, s, d) not in want_in]
+        ok_in = [n for n, _, _ in fn.inputs] == list(contract.INPUT_ORDER) and not bad
+        rows.append((f"{name} inputs", ok_in, "10 named, shapes and dtypes as the contract" if ok_in
+                     else f"got {[n for n, _, _ in fn.inputs]}" + (f"; wrong: {bad[0]}" if bad else "")))
+        want_out = [(contract.OUTPUT_NAMES[0], (o_pad,), "f32")]
+        rows.append((f"{name} outputs", fn.outputs == want_out, f"{fn.outputs}"))
+        rows.append((f"{name} math fp32", not fn.fp16_outputs,
+                     "no fp16 op outputs" if not fn.fp16_outputs else f"fp16 outputs: {fn.fp16_outputs[:3]}"))
+    rows.extend(check_weights(info, weights, params))
+    return rows
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _pieces(name: str, value: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """How the graph uses a parameter: attention's packed in-projection as its q, k, v thirds."""
+    if name.endswith(("in_proj_weight", "in_proj_bias")) and value.shape[0] % 3 == 0:
+        third = value.shape[0] // 3
+        return [(f"{name}[{part}]", value[i * third:(i + 1) * third]) for i, part in enumerate("qkv")]
+    return [(name, value)]
+
+
+def check_weights(info: PackageInfo, weights: str, params: dict[str, np.ndarray]) -> list[tuple[str, bool, str]]:
+    """Every stored weight is one of the author's (bit for bit, as stored or transposed), every
+    author weight is stored, each once, in the recipe's storage dtype."""
+    storage = np.float16 if weights == "fp16w32" else np.float32
+    wanted: dict[str, str] = {}
+    for name, value in params.items():
+        if value.size < FP16_MIN_ELEMENTS:
+            continue
+        for label, piece in _pieces(name, value.astype(storage)):
+            wanted.setdefault(_digest(piece), label)
+            if piece.ndim == 2:
+                wanted.setdefault(_digest(piece.T), label)
+    found: dict[str, int] = {}
+    stray: list[str] = []
+    wrong_dtype = 0
+    big_dtype = "FLOAT16" if weights == "fp16w32" else "FLOAT32"
+    for blob in sorted(info.blobs.values(), key=lambda b: b.offset):
+        data = read_blob(info.path, blob)
+        name = wanted.get(_digest(data))
+        if name is None:
+            # the graph's own constants: small ones (masks, scales), and all-zero biases that
+            # coremltools adds when it turns a bias-free matmul into `linear`
+            if int(np.prod(blob.shape)) >= 1024 and np.any(data):
+                stray.append(f"{blob.dtype} {list(blob.shape)} at {blob.offset}")
+            continue
+        if blob.dtype != big_dtype:
+            wrong_dtype += 1
+        found[name] = found.get(name, 0) + 1
+    missing = sorted(set(wanted.values()) - set(found))
+    twice = sorted(n for n, c in found.items() if c > 1)
+    stored = sum(int(np.prod(p.shape)) for n, v in params.items() for label, p in _pieces(n, v) if label in found)
+    stored *= np.dtype(storage).itemsize
+    return [
+        ("every author weight stored", not missing, f"{len(found)} tensors" if not missing else f"missing: {missing[:3]}"),
+        ("each weight stored once", not twice, "shared by all functions" if not twice else f"twice: {twice[:3]}"),
+        (f"weights stored {'fp16' if weights == 'fp16w32' else 'fp32'}", wrong_dtype == 0,
+         f"{stored:,} bytes of weights in a {info.weight_bytes:,}-byte weight.bin" if wrong_dtype == 0
+         else f"{wrong_dtype} weights in another dtype"),
+        ("no unknown large constants", not stray, "none" if not stray else f"{len(stray)}: {stray[0]}"),
+    ]
+
+
+# ---------------------------------------------------------------- predictions (macOS)
+
+
+def can_predict() -> bool:
+    return sys.platform == "darwin"
+
+
+def predictor(package: Path, function: str) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
+    """A function of the package, run by Core ML (macOS only)."""
+    ct = import_coremltools()
+    model = ct.models.MLModel(str(package), function_name=function, compute_units=ct.ComputeUnit.CPU_ONLY)
+
+    def run(arrays: dict[str, np.ndarray]) -> np.ndarray:
+        out = model.predict({k: np.ascontiguousarray(v) for k, v in arrays.items()})
+        return np.asarray(out[contract.OUTPUT_NAMES[0]], dtype=np.float32).reshape(-1)
+
+    return run
+
+
+def describe(info: PackageInfo) -> list[dict[str, Any]]:
+    return [{"name": f.name,
+             "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in f.inputs],
+             "outputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in f.outputs]}
+            for f in info.functions]

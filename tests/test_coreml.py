@@ -1,0 +1,245 @@
+"""The Core ML package (recipe format ``mlpackage``) at the tiny configuration: built, read back,
+checked against the author's weights, byte-reproducible; the gate's macOS path through a stand-in
+predictor (Core ML cannot run on Linux)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from clef_flash import coreml
+from clef_flash.cli import app
+from clef_flash.errors import IntegrityError, NumericError
+from clef_flash.gate import VerifyConfig, verify_bundle
+from clef_flash.manifest import MlpackageManifest, load_manifest
+
+from .conftest import ROOT, build_bundle
+
+RECIPE = ROOT / "conversion" / "head_bucket_fp16w32_mlpackage.toml"
+SCHEMA = ROOT / "manifests" / "metadata-mlpackage.schema.json"
+
+
+@pytest.fixture(scope="session")
+def tiny_package(tmp_path_factory, tiny_source) -> Path:
+    return build_bundle(tiny_source, tmp_path_factory.mktemp("tiny-mlpackage"), recipe=RECIPE, verify=True)
+
+
+@pytest.fixture()
+def package_copy(tmp_path, tiny_package) -> Path:
+    dst = tmp_path / "out" / tiny_package.name
+    shutil.copytree(tiny_package, dst)
+    return dst
+
+
+def _asset(bundle: Path) -> Path:
+    return bundle / json.loads((bundle / "metadata.json").read_text())["assets"]["main"]
+
+
+def test_manifest_names_the_format_and_keeps_the_head_shape(tiny_package, tiny_bundle):
+    data = json.loads((tiny_package / "metadata.json").read_text())
+    jsonschema.validate(data, json.loads(SCHEMA.read_text()))
+    manifest = load_manifest((tiny_package / "metadata.json").read_bytes())
+    assert isinstance(manifest, MlpackageManifest) and manifest.format == "mlpackage"
+    assert manifest.assets == {"main": "clef_flash_head_bucket_fp16w32_mlpackage.mlpackage"}
+    # the same decision-head description as the .aimodel bundle built from the same source
+    aimodel = json.loads((tiny_bundle / "metadata.json").read_text())
+    assert data["head"] == aimodel["head"] and data["kind"] == aimodel["kind"] == "decision-head"
+    assert data["export"]["weight_storage"] == "fp16" and data["export"]["compute_precision"] == "fp32"
+    assert "cannot run Core ML predictions on Linux" in data["export"]["predictions"]
+    record = json.loads((tiny_package / "build-record.json").read_text())
+    assert record["verify"]["ok"] and all(record["verify"]["checks"].values()) and record["verify"]["notes"]
+
+
+def test_package_read_back_functions_inputs_outputs(tiny_package):
+    info = coreml.read_package(_asset(tiny_package))
+    assert [f.name for f in info.functions] == ["t512", "t1024", "t2048", "t4096"]
+    assert info.default_function == "t512" and info.specification_version >= 9
+    for fn in info.functions:
+        t = int(fn.name[1:])
+        assert [i[0] for i in fn.inputs] == ["hidden", "key_valid", "q_avg", "o_avg", "g_avg", "lexical",
+                                             "member", "type_ids", "q_valid", "o_valid"]
+        shapes = {n: s for n, s, _ in fn.inputs}
+        dtypes = {n: d for n, _, d in fn.inputs}
+        assert shapes["hidden"] == (t, 64) and shapes["q_avg"] == (16, t) and shapes["member"] == (16, 128)
+        assert dtypes["type_ids"] == "i32" and {d for n, d in dtypes.items() if n != "type_ids"} == {"f32"}
+        assert fn.outputs == [("logits", (128,), "f32")]
+        assert fn.opset == "CoreML8" and fn.ops["constexpr_cast"] > 0 and not fn.fp16_outputs
+
+
+def test_weights_stored_fp16_once_for_all_functions(tiny_package, tiny_source):
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_source / "joint_head.safetensors"), "pt") as f:
+        params = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                     else int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
+    info = coreml.read_package(_asset(tiny_package))
+    # fp16: 2 bytes a parameter, once for four functions (plus 64-byte blob headers); fp32 would be 4
+    assert 2 * params <= info.weight_bytes < 2.3 * params
+    shared = [b for b in info.blobs.values() if b.dtype == "FLOAT16"]
+    assert shared and all(b.functions == {"t512", "t1024", "t2048", "t4096"} for b in shared)
+
+
+def test_fp16_pass_keeps_inexact_constants_fp32():
+    ct = coreml.import_coremltools()
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    exact = np.arange(64, dtype=np.float32).reshape(8, 8)
+    inexact = np.full((8, 8), 0.1, dtype=np.float32)  # 0.1 is not an fp16 value
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(8, 8))], opset_version=ct.target.macOS15)
+    def prog(x):
+        return mb.add(x=mb.matmul(x=x, y=exact), y=inexact)
+
+    PASS_REGISTRY[coreml.register_fp16_pass()](prog)
+    ops = {op.op_type: op for op in prog.functions["main"].operations}
+    assert "constexpr_cast" in ops and ops["constexpr_cast"].source_val.val.dtype == np.float16
+    consts = [op.outputs[0].val for op in prog.functions["main"].operations if op.op_type == "const"]
+    assert any(isinstance(v, np.ndarray) and v.dtype == np.float32 and np.allclose(v, 0.1) for v in consts)
+
+
+def test_weight_check_fails_on_a_changed_author_weight(tiny_package, tiny_source):
+    from clef_flash.author import load_head
+    from clef_flash.pins import load_pins
+
+    _, config, head = load_head(tiny_source, load_pins(tiny_source / "pins.json"), torch.float32)
+    params = {k: v.numpy() for k, v in head.state_dict().items()}
+    info = coreml.read_package(_asset(tiny_package))
+    assert all(ok for _, ok, _ in coreml.check_weights(info, "fp16w32", params))
+    name = next(k for k, v in params.items() if v.ndim == 2 and "in_proj" not in k)
+    params[name] = params[name].copy()
+    params[name].flat[0] += 0.5
+    rows = {n: (ok, d) for n, ok, d in coreml.check_weights(info, "fp16w32", params)}
+    assert rows["every author weight stored"] == (False, f"missing: ['{name}']")
+    assert rows["no unknown large constants"][0] is False or params[name].size < 1024
+    # a wrong hidden size is seen in every function's inputs
+    bad = coreml.check_package(info, [("t512", 512)], config.hidden_size * 2, "fp16w32", params)
+    assert ("t512 inputs", False) in [(n, ok) for n, ok, _ in bad]
+
+
+def test_verify_exits_3_on_a_tampered_weight_byte(package_copy, tiny_source):
+    weight = _asset(package_copy) / coreml.WEIGHT_FILE
+    data = bytearray(weight.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weight.write_bytes(bytes(data))
+    r = CliRunner().invoke(app, ["verify", str(package_copy), "--source", str(tiny_source),
+                                 "--pins", str(tiny_source / "pins.json")])
+    assert r.exit_code == 3, r.output
+    assert "weight.bin: sha256" in r.output and "differs from the manifest" in r.output
+    r = CliRunner().invoke(app, ["verify-artifact", str(package_copy)])
+    assert r.exit_code == 3 and "weight.bin" in r.output
+
+
+def test_verify_exits_4_when_a_stored_weight_differs_from_the_author(package_copy, tiny_source):
+    """A weight changed and the manifest re-hashed to match: only the weight check can see it."""
+    from clef_flash.pins import sha256_file
+
+    asset = _asset(package_copy)
+    info = coreml.read_package(asset)
+    blob = max(info.blobs.values(), key=lambda b: int(np.prod(b.shape)))
+    weight = asset / coreml.WEIGHT_FILE
+    data = bytearray(weight.read_bytes())
+    data[blob.offset + 64 + 2] ^= 0x04  # inside the blob's data, after its 64-byte header
+    weight.write_bytes(bytes(data))
+    meta = json.loads((package_copy / "metadata.json").read_text())
+    meta["export"]["weight_bin"]["sha256"] = sha256_file(weight)
+    (package_copy / "metadata.json").write_text(json.dumps(meta))
+    r = CliRunner().invoke(app, ["verify", str(package_copy), "--source", str(tiny_source),
+                                 "--pins", str(tiny_source / "pins.json")])
+    assert r.exit_code == 4, r.output
+    assert "every author weight stored" in r.output and "FAIL" in r.output
+
+
+def _graph_predictor(source: Path, shift: float = 0.0):
+    """Stands in for Core ML on Linux: the same ClefHeadGraph, fp16 weights, fp32 math."""
+    from clef_flash.author import load_head
+    from clef_flash.contract import INPUT_ORDER
+    from clef_flash.graph import ClefHeadGraph, cast_weights
+    from clef_flash.pins import load_pins
+
+    _, _, head = load_head(source, load_pins(source / "pins.json"), torch.float16)
+    graph = ClefHeadGraph(cast_weights(head, "fp16w32")).eval()
+    calls = []
+
+    def predictor(package, function):
+        def run(arrays):
+            calls.append(function)
+            with torch.inference_mode():
+                out = graph(*[torch.from_numpy(np.ascontiguousarray(arrays[k])) for k in INPUT_ORDER]).numpy()
+            out = out.copy()
+            out[0] += shift
+            return out
+        return run
+
+    return predictor, calls
+
+
+def test_macos_path_runs_every_function_against_the_author(monkeypatch, tiny_package, tiny_source):
+    predictor, calls = _graph_predictor(tiny_source)
+    monkeypatch.setattr(coreml, "can_predict", lambda: True)
+    monkeypatch.setattr(coreml, "predictor", predictor)
+    cfg = VerifyConfig(bundle=tiny_package, source=tiny_source, pins_path=tiny_source / "pins.json", records=2)
+    report = verify_bundle(cfg)
+    assert report.ok, report.failures
+    assert not report.notes and [r.function for r in report.results] == ["t512", "t1024", "t2048", "t4096"]
+    assert sorted(set(calls)) == ["t1024", "t2048", "t4096", "t512"]
+    assert max(r.max_abs_dp for r in report.results) < 1e-5
+
+
+def test_macos_path_fails_on_a_wrong_logit(monkeypatch, tiny_package, tiny_source):
+    predictor, _ = _graph_predictor(tiny_source, shift=1e-2)
+    monkeypatch.setattr(coreml, "can_predict", lambda: True)
+    monkeypatch.setattr(coreml, "predictor", predictor)
+    cfg = VerifyConfig(bundle=tiny_package, source=tiny_source, pins_path=tiny_source / "pins.json", records=1)
+    report = verify_bundle(cfg)
+    assert not report.ok and any("max |d logit|" in f for f in report.failures)
+    with pytest.raises(NumericError):
+        report.raise_for_failures()
+
+
+def test_inspect_reads_the_spec_and_leaves_the_package_untouched(tiny_package):
+    from clef_flash.bundle import tree_hash
+
+    before = tree_hash(tiny_package)
+    r = CliRunner().invoke(app, ["inspect", str(tiny_package), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["format"] == "mlpackage" and [f["name"] for f in info["functions"]] == ["t512", "t1024", "t2048", "t4096"]
+    assert info["functions"][0]["outputs"] == [{"name": "logits", "shape": [128], "dtype": "f32"}]
+    assert tree_hash(tiny_package) == before  # reading a package must not rewrite its Manifest.json
+    assert CliRunner().invoke(app, ["verify-artifact", str(tiny_package)]).exit_code == 0
+
+
+def test_cli_refuses_what_does_not_apply_to_a_package(tmp_path, tiny_package, tiny_source):
+    src = ["--source", str(tiny_source), "--pins", str(tiny_source / "pins.json"), "--out", str(tmp_path)]
+    r = CliRunner().invoke(app, ["build", "--format", "mlpackage", "--aot", *src])
+    assert r.exit_code == 2 and "--aot compiles .aimodel" in r.output
+    r = CliRunner().invoke(app, ["build", str(ROOT / "conversion" / "head_bucket_fp16w32.toml"), "--format", "mlpackage", *src])
+    assert r.exit_code == 2 and "format is aimodel" in r.output
+    r = CliRunner().invoke(app, ["aot", str(tiny_package)])
+    assert r.exit_code == 2 and "mlpackage bundle" in r.output
+    r = CliRunner().invoke(app, ["build", "--format", "coreml", *src])
+    assert r.exit_code == 2
+    assert not any(tmp_path.iterdir())
+
+
+def test_second_build_is_byte_identical(tmp_path, tiny_package, tiny_source):
+    from clef_flash.bundle import tree_files
+
+    again = build_bundle(tiny_source, tmp_path, recipe=RECIPE, verify=False)
+    ours = {k: v for k, v in tree_files(tiny_package).items() if k not in ("build-record.json", "metadata.json")}
+    theirs = {k: v for k, v in tree_files(again).items() if k not in ("build-record.json", "metadata.json")}
+    assert ours == theirs and any(k.endswith("weight.bin") for k in ours)
+
+
+def test_missing_model_file_is_an_integrity_error(package_copy):
+    (_asset(package_copy) / coreml.MODEL_FILE).unlink()
+    with pytest.raises(IntegrityError, match="model.mlmodel: missing"):
+        coreml.read_package(_asset(package_copy))
