@@ -179,7 +179,8 @@ def main() -> None:
         "|---|---|---|",
         f"| build wall s (median of {len(b_wall)}) | {spread(b_wall)} | |",
         f"| baseline wall s | {spread(r_wall)} | |",
-        f"| build / baseline, pair by pair | {', '.join(f'{x:.2f}' for x in builds['ratios'])} | <= 0.5 |",
+        f"| build / baseline, pair by pair (median) | {', '.join(f'{x:.2f}' for x in builds['ratios'])} "
+        f"({statistics.median(builds['ratios']):.2f}) | median <= 0.5 |",
         f"| build peak RSS MB | {spread(b_rss)} | <= 1024 |",
         f"| baseline peak RSS MB | {spread(r_rss)} | |",
         "| build stages s (last run) | " + ", ".join(f"{k} {v:.2f}" for k, v in builds['build'][-1]['stages'].items()) + " | |",

@@ -45,7 +45,7 @@ _ARRAY_DTYPES = {"FLOAT32": "f32", "INT32": "i32", "FLOAT16": "f16", "DOUBLE": "
 def import_coremltools():
     """coremltools, quietly (it warns about untested torch versions and missing macOS libraries)."""
     try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(open(os.devnull, "w")):  # noqa: SIM115
+        with warnings.catch_warnings(), open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")
             import coremltools as ct
     except ImportError as exc:
@@ -63,7 +63,7 @@ def register_fp16_pass() -> str:
     would store 4 bytes per parameter. Constants whose every value round-trips through fp16 go back
     to fp16 storage behind ``constexpr_cast`` (fp16 -> fp32 at load time): the math stays fp32 and
     no value changes, by construction."""
-    ct = import_coremltools()
+    import_coremltools()
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
     from coremltools.converters.mil.mil.passes.helper import block_context_manager
@@ -95,7 +95,6 @@ def register_fp16_pass() -> str:
                 block.remove_ops([op])
 
     register_pass(namespace="clef")(fp16_storage)
-    del ct
     return _PASS
 
 
@@ -110,13 +109,15 @@ def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int,
     """One static-T trace of ``graph`` converted and saved as a one-function package ``out``."""
     import torch
 
-    from .export import example_inputs
+    from .export import example_inputs, no_stack_traces
 
     ct = import_coremltools()
     args = example_inputs(bucket, hidden_size, q_pad, o_pad)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ep = torch.export.export(graph, args, strict=False).run_decompositions()
+        with no_stack_traces():
+            # coremltools takes the ATen dialect; the graph is in core ATen already: nothing to decompose
+            ep = torch.export.export(graph, args, strict=False).run_decompositions({})
         ep.example_inputs = None
         model = ct.convert(
             ep,

@@ -143,10 +143,41 @@ def trace_program(graph, buckets: tuple[int, ...], hidden_size: int, q_pad: int,
         axes = {"hidden": 0, "key_valid": 0, "q_avg": 1, "o_avg": 1, "g_avg": 1}
         dynamic_shapes = {n: ({axes[n]: t} if n in axes else None) for n in contract.INPUT_ORDER}
     args = example_inputs(max(buckets), hidden_size, q_pad, o_pad)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), no_stack_traces():
         warnings.simplefilter("ignore")
         ep = torch.export.export(graph, args, dynamic_shapes=dynamic_shapes, strict=False)
-        return ep.run_decompositions(coreai_torch.get_decomp_table())
+        if needs_decomposition(ep):  # ClefHeadGraph is written in ops coreai lowers directly: never, so far
+            ep = ep.run_decompositions(coreai_torch.get_decomp_table())
+        return ep
+
+
+@contextlib.contextmanager
+def no_stack_traces():
+    """FX records a symbolised Python stack per node (a third of a static trace); the converter's
+    debug locations built from them are stripped before saving anyway."""
+    import torch.fx.config as fx_config
+
+    saved = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = saved
+
+
+def needs_decomposition(ep) -> bool:
+    """Whether coreai-torch would refuse ``ep`` as it is (an op it neither lowers nor keeps).
+
+    ``run_decompositions`` re-traces the whole program and is over half of a trace's time; a graph
+    already in the ops coreai lowers skips it. The check is coreai-torch's own validator (private,
+    pinned with coreai-torch 0.4.3)."""
+    from coreai_torch._validate import validate_exported_program
+
+    try:
+        validate_exported_program(ep, {})
+    except ValueError:
+        return True
+    return False
 
 
 def _specialise(program, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int) -> None:
@@ -527,4 +558,9 @@ def build_record(cfg: BuildConfig, pins: Pins, outputs: dict[str, str], hidden_s
 _ERRORS = {cls.__name__: cls for cls in (UsageError, IntegrityError, NumericError, ToolchainError, OutputError, ClefError)}
 
 if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1]))
+    status = _worker_main(sys.argv[1])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # everything is written and closed by now; skip tearing down torch, coreai and ~900 MB of
+    # objects one by one (about 2 s), the OS takes the memory back at once
+    os._exit(status)

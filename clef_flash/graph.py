@@ -10,7 +10,11 @@ submodules and weights:
 - padded keys, questions and options get ``contract.MASK_BIAS`` so exp underflows to exactly 0;
   padding logits are exactly 0;
 - attention over more than ``KEY_BLOCK`` keys runs in key blocks sharing one max (same softmax);
-- parameters are read through ``.float()``: stored fp16 for ``fp16w32``, all math fp32.
+- parameters are read through ``.float()``: stored fp16 for ``fp16w32``, all math fp32;
+- it is written in core ATen ops only (``addmm``/``mm``/``bmm``, ``permute``, ``native_layer_norm``,
+  ``_softmax``, cosine similarity and normalisation spelled out as ATen computes them), so the
+  exported program needs no ``run_decompositions`` pass, the slowest part of a trace; eager
+  results are bit-identical to the ``F.linear`` / ``F.layer_norm`` / ``F.cosine_similarity`` forms.
 
 It knows nothing about Core AI: the same module feeds coreai-torch and coremltools.
 """
@@ -30,12 +34,39 @@ def _f(t: torch.Tensor) -> torch.Tensor:
     return t.float()
 
 
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.permute(1, 0)
+
+
+def _affine(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` on a 2-D input, as ATen runs it: ``addmm(b, x, w^T)`` (``mm`` without a bias)."""
+    return torch.mm(x, _t(weight)) if bias is None else torch.addmm(bias, x, _t(weight))
+
+
 def _linear(x: torch.Tensor, lin: torch.nn.Linear) -> torch.Tensor:
-    return F.linear(x, _f(lin.weight), None if lin.bias is None else _f(lin.bias))
+    return _affine(x, _f(lin.weight), None if lin.bias is None else _f(lin.bias))
 
 
 def _layer_norm(x: torch.Tensor, ln: torch.nn.LayerNorm) -> torch.Tensor:
-    return F.layer_norm(x, ln.normalized_shape, _f(ln.weight), _f(ln.bias), ln.eps)
+    return torch.ops.aten.native_layer_norm.default(x, list(ln.normalized_shape), _f(ln.weight), _f(ln.bias), ln.eps)[0]
+
+
+def _softmax(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._softmax.default(x, -1, False)
+
+
+def _norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, 2, dim=-1, keepdim=True).clamp(min=eps)
+
+
+def _normalize(x: torch.Tensor) -> torch.Tensor:
+    """``F.normalize(x, dim=-1)``: x / max(||x||, 1e-12)."""
+    return x / _norm(x, 1e-12)
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``F.cosine_similarity(a, b, dim=-1)`` as ATen computes it: each side over its clamped norm."""
+    return ((a / _norm(a, 1e-8)) * (b / _norm(b, 1e-8))).sum(dim=-1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, block: int) -> torch.Tensor:
@@ -46,10 +77,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
     """
     m = k.shape[-2]
     if m <= block:
-        scores = torch.matmul(q, k.transpose(-1, -2)) + bias
-        return torch.matmul(torch.softmax(scores, dim=-1), v)
+        scores = torch.bmm(q, k.permute(0, 2, 1)) + bias
+        return torch.bmm(_softmax(scores), v)
     starts = list(range(0, m, block))
-    scores = [torch.matmul(q, k[:, s : s + block].transpose(-1, -2)) + bias[s : s + block] for s in starts]
+    scores = [torch.bmm(q, k[:, s : s + block].permute(0, 2, 1)) + bias[s : s + block] for s in starts]
     top = scores[0].amax(dim=-1, keepdim=True)
     for s in scores[1:]:
         top = torch.maximum(top, s.amax(dim=-1, keepdim=True))
@@ -57,7 +88,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
     den = None
     for s, start in zip(scores, starts, strict=True):
         e = torch.exp(s - top)
-        part = torch.matmul(e, v[:, start : start + block])
+        part = torch.bmm(e, v[:, start : start + block])
         num = part if num is None else num + part
         tot = e.sum(dim=-1, keepdim=True)
         den = tot if den is None else den + tot
@@ -72,13 +103,13 @@ def _mha(attn: torch.nn.MultiheadAttention, query: torch.Tensor, key: torch.Tens
     d = width // heads
     w = _f(attn.in_proj_weight)
     b = _f(attn.in_proj_bias)
-    q = F.linear(query, w[:width], b[:width])
-    k = F.linear(key, w[width : 2 * width], b[width : 2 * width])
-    v = F.linear(value, w[2 * width :], b[2 * width :])
-    q = q.reshape(-1, heads, d).transpose(0, 1) * (1.0 / math.sqrt(d))
-    k = k.reshape(-1, heads, d).transpose(0, 1)
-    v = v.reshape(-1, heads, d).transpose(0, 1)
-    out = _attend(q, k, v, bias, block).transpose(0, 1).reshape(-1, width)
+    q = _affine(query, w[:width], b[:width])
+    k = _affine(key, w[width : 2 * width], b[width : 2 * width])
+    v = _affine(value, w[2 * width :], b[2 * width :])
+    q = q.view(-1, heads, d).permute(1, 0, 2) * (1.0 / math.sqrt(d))
+    k = k.view(-1, heads, d).permute(1, 0, 2)
+    v = v.view(-1, heads, d).permute(1, 0, 2)
+    out = _attend(q, k, v, bias, block).permute(1, 0, 2).clone(memory_format=torch.contiguous_format).view(-1, width)
     return _linear(out, attn.out_proj)
 
 
@@ -114,19 +145,19 @@ class ClefHeadGraph(torch.nn.Module):
         block = self.key_block
         key_bias = (key_valid - 1.0) * -MASK_BIAS  # 0 for real keys, MASK_BIAS for padding
         field_bias = (q_valid - 1.0) * -MASK_BIAS
-        option_of = member.transpose(0, 1)  # [O, Q] one-hot: each option's question
+        option_of = _t(member)  # [O, Q] one-hot: each option's question
 
         normalized = _layer_norm(hidden, h.hidden_norm)
         memory = _linear(normalized, h.memory_projection)  # [T, W]
-        question_vectors = torch.matmul(q_avg, normalized)  # [Q, H]
-        context = torch.matmul(o_avg, normalized)  # [O, H]
-        global_vector = torch.matmul(g_avg, normalized)  # [1, H]
+        question_vectors = torch.mm(q_avg, normalized)  # [Q, H]
+        context = torch.mm(o_avg, normalized)  # [O, H]
+        global_vector = torch.mm(g_avg, normalized)  # [1, H]
 
         # Option queries: context + lexical + their question's projection.
         routed = (
             _linear(context, h.option_context_projection)
             + _linear(lexical, h.option_lexical_projection)
-            + torch.matmul(option_of, _linear(question_vectors, h.option_question_projection))
+            + torch.mm(option_of, _linear(question_vectors, h.option_question_projection))
         )
         for layer in h.evidence_layers:
             queries = _layer_norm(routed, layer.query_norm)
@@ -137,9 +168,9 @@ class ClefHeadGraph(torch.nn.Module):
 
         # Per question: softmax over its own options, the weighted option summary.
         base_fields = _linear(question_vectors, h.question_projection)  # [Q, W]
-        scores = torch.matmul(base_fields, routed.transpose(0, 1)) / math.sqrt(routed.shape[-1])
+        scores = torch.mm(base_fields, _t(routed)) / math.sqrt(routed.shape[-1])
         scores = scores + (member - 1.0) * -MASK_BIAS
-        summaries = torch.matmul(torch.softmax(scores, dim=-1), routed)
+        summaries = torch.mm(_softmax(scores), routed)
         fields = (
             base_fields
             + _layer_norm(summaries, h.option_summary_norm)
@@ -156,21 +187,21 @@ class ClefHeadGraph(torch.nn.Module):
         fields = _layer_norm(fields, h.field_norm)
 
         # Per option: lexical prior + gated joint score against its question's field.
-        anchor = F.normalize(question_vectors + global_vector, dim=-1)  # [Q, H]
-        lexical_anchor = F.normalize(lexical, dim=-1)  # [O, H]
+        anchor = _normalize(question_vectors + global_vector)  # [Q, H]
+        lexical_anchor = _normalize(lexical)  # [O, H]
         log100 = math.log(100.0)
         prior_scale = _f(h.prior_logit_scale).clamp(max=log100).exp()
-        prior = prior_scale * (lexical_anchor * torch.matmul(option_of, anchor)).sum(dim=-1)
+        prior = prior_scale * (lexical_anchor * torch.mm(option_of, anchor)).sum(dim=-1)
         options = _layer_norm(routed, h.option_norm)
-        field = torch.matmul(option_of, fields)  # [O, W]
-        cosine = F.cosine_similarity(field, options, dim=-1)
+        field = torch.mm(option_of, fields)  # [O, W]
+        cosine = _cosine(field, options)
         features = torch.cat([field, options, field * options, torch.abs(field - options)], dim=-1)
         scorer = h.residual_scorer
-        residual = _linear(_gelu(_linear(features, scorer[0])), scorer[3]).squeeze(-1)
+        residual = torch.squeeze(_linear(_gelu(_linear(features, scorer[0])), scorer[3]), (-1,))
         joint_scale = _f(h.joint_logit_scale).clamp(max=log100).exp()
         joint = joint_scale * cosine + residual
         logits = prior + torch.sigmoid(_f(h.residual_gate)) * joint
-        return torch.where(o_valid > 0.5, logits, torch.zeros_like(logits))
+        return torch.where(o_valid > 0.5, logits, torch.full_like(logits, 0.0))
 
 
 def cast_weights(head: torch.nn.Module, weights: str) -> torch.nn.Module:

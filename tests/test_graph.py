@@ -116,3 +116,44 @@ def test_fp16w32_stores_fp16_and_computes_fp32(tiny, author_module):
     assert np.abs(out16 - out32).max() <= 1e-5
     with pytest.raises(ValueError, match="unknown weights mode"):
         cast_weights(head, "int4")
+
+
+def test_core_forms_are_bit_identical_to_the_functional_ones():
+    """The graph spells ops in core ATen (so no decomposition pass); eagerly they equal torch's own."""
+    import torch.nn.functional as F
+
+    from clef_flash import graph as g
+
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 96, generator=gen), torch.randn(64, 96, generator=gen)
+    lin = torch.nn.Linear(96, 48)
+    ln = torch.nn.LayerNorm(96)
+    torch.nn.init.normal_(ln.weight, generator=gen)
+    assert torch.equal(g._linear(a, lin), F.linear(a, lin.weight, lin.bias))
+    assert torch.equal(g._layer_norm(a, ln), F.layer_norm(a, (96,), ln.weight, ln.bias, ln.eps))
+    assert torch.equal(g._softmax(a), torch.softmax(a, dim=-1))
+    assert torch.equal(g._normalize(a), F.normalize(a, dim=-1))
+    assert torch.equal(g._cosine(a, b), F.cosine_similarity(a, b, dim=-1))
+    assert torch.equal(g._cosine(a, torch.zeros_like(a)), F.cosine_similarity(a, torch.zeros_like(a), dim=-1))
+
+
+@pytest.mark.parametrize("buckets", [(512,), (4096,), (512, 1024, 2048)])
+def test_exported_graph_needs_no_decomposition(tiny, buckets):
+    """coreai-torch takes the traced program as it is; a functional op slipping in would bring the
+    slow ``run_decompositions`` pass back, and this check sees it."""
+    from clef_flash.export import needs_decomposition, trace_program
+
+    coreai_torch = pytest.importorskip("coreai_torch")
+    _, head, _ = tiny
+    graph = ClefHeadGraph(cast_weights(head, "fp16w32")).eval()
+    ep = trace_program(graph, buckets, TINY_CONFIG["hidden_size"], 16, 128, coreai_torch)
+    assert not needs_decomposition(ep)
+    assert not [str(n.target) for n in ep.graph.nodes if str(n.target).startswith(("aten.linear", "aten.matmul"))]
+
+    class Functional(torch.nn.Module):  # the same kind of layer written with F.linear
+        def forward(self, x):
+            return torch.nn.functional.linear(x, torch.ones(3, 4))
+
+    plain = torch.export.export(Functional(), (torch.zeros(2, 4),), strict=False)
+    assert needs_decomposition(plain)
+    assert not needs_decomposition(plain.run_decompositions(coreai_torch.get_decomp_table()))
