@@ -26,6 +26,7 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Export Cloudflare's clef-flash joint schema head to an Apple Core AI asset, and prove it.",
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain click help: `--help` in 0.3 s instead of 0.45 s (rich panels)
 )
 err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 160)  # one-line errors
 _state = {"verbose": False}
