@@ -17,7 +17,7 @@ RECORD_FILE = "build-record.json"
 
 def check_artifact(bundle: Path) -> dict[str, Any]:
     """Every file of the bundle against the build record's digests, plus manifest and main.hash."""
-    from .gate import _asset_digest, check_bundle
+    from .gate import asset_digest, check_bundle
     from .manifest import manifest_format
 
     bundle = Path(bundle)
@@ -42,7 +42,7 @@ def check_artifact(bundle: Path) -> dict[str, Any]:
         if actual[name] != expected[name]:
             raise IntegrityError(f"{bundle / name}: sha256 differs from {RECORD_FILE}")
     return {"bundle": str(bundle), "files": len(actual), "name": manifest.name,
-            "format": manifest_format(manifest), "asset_sha256": _asset_digest(manifest)}
+            "format": manifest_format(manifest), "asset_sha256": asset_digest(manifest)}
 
 
 async def _describe(asset: Path) -> list[dict[str, Any]]:

@@ -234,8 +234,10 @@ def build(
     if json_out:
         _emit_json(m.model_dump(mode="json"))
     s = m.export.seconds
-    size = (f"main.mlirb {m.export.main_mlirb.bytes:,} bytes" if hasattr(m.export, "main_mlirb")
-            else f"weight.bin {m.export.weight_bin.bytes:,} bytes ({m.export.weight_storage})")
+    from .manifest import MlpackageManifest
+
+    size = (f"weight.bin {m.export.weight_bin.bytes:,} bytes ({m.export.weight_storage})"
+            if isinstance(m, MlpackageManifest) else f"main.mlirb {m.export.main_mlirb.bytes:,} bytes")
     err.print(f"[bold green]built[/] {result.bundle}: {size}, export {s.export:.1f} s, total {s.total:.1f} s"
               + (" [yellow](synthetic source)[/]" if result.record.get("synthetic") else ""))
     v = result.record.get("verify")

@@ -319,27 +319,37 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
     return BuildResult(bundle=final, manifest=manifest, record=record, plan=info)
 
 
+def _manifest_common(recipe: Recipe, pins: Pins, asset_dir: Path, hidden_size: int) -> dict[str, Any]:
+    """What every bundle's manifest says the same way, whatever the format."""
+    return {
+        "metadata_version": METADATA_VERSION,
+        "kind": KIND,
+        "name": recipe.name,
+        "assets": {"main": asset_dir.name},
+        "head": head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
+                             hidden_size=hidden_size),
+        "aot": None,
+        "compilation": Compilation(date=build_date(), targets=[]),
+    }
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
 def _aimodel_manifest(recipe: Recipe, pins: Pins, asset_dir: Path, outputs: dict[str, str], seconds: Seconds,
                       hidden_size: int) -> Manifest:
     """The published manifest's shape, key for key."""
     mlirb = asset_dir / "main.mlirb"
-    t_export = seconds.export
     return Manifest(
-            metadata_version=METADATA_VERSION,
-            kind=KIND,
-            name=recipe.name,
-            assets={"main": asset_dir.name},
-            head=head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
-                              hidden_size=hidden_size),
-            export=Export(
-                aimodel_bytes=sum(p.stat().st_size for p in asset_dir.rglob("*") if p.is_file()),
-                main_mlirb=MainMlirb(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
-                seconds=seconds,
-                export_attempts=[ExportAttempt(externalize="no externalize specs", ok=True, seconds=t_export)],
-            ),
-            aot=None,
-            compilation=Compilation(date=build_date(), targets=[]),
-        )
+        **_manifest_common(recipe, pins, asset_dir, hidden_size),
+        export=Export(
+            aimodel_bytes=_tree_bytes(asset_dir),
+            main_mlirb=MainMlirb(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
+            seconds=seconds,
+            export_attempts=[ExportAttempt(externalize="no externalize specs", ok=True, seconds=seconds.export)],
+        ),
+    )
 
 
 def _mlpackage_manifest(recipe: Recipe, pins: Pins, asset_dir: Path, outputs: dict[str, str], seconds: Seconds,
@@ -351,15 +361,10 @@ def _mlpackage_manifest(recipe: Recipe, pins: Pins, asset_dir: Path, outputs: di
         return MainMlirb(bytes=(asset_dir / rel).stat().st_size, sha256=outputs[f"{asset_dir.name}/{rel}"])
 
     return MlpackageManifest(
-        metadata_version=METADATA_VERSION,
-        kind=KIND,
+        **_manifest_common(recipe, pins, asset_dir, hidden_size),
         format="mlpackage",
-        name=recipe.name,
-        assets={"main": asset_dir.name},
-        head=head_section(buckets=recipe.buckets, weights=recipe.weights, source=_source_section(pins),
-                          hidden_size=hidden_size),
         export=MlpackageExport(
-            mlpackage_bytes=sum(p.stat().st_size for p in asset_dir.rglob("*") if p.is_file()),
+            mlpackage_bytes=_tree_bytes(asset_dir),
             model=part(MODEL_FILE),
             weight_bin=part(WEIGHT_FILE),
             weight_storage="fp16" if recipe.weights == "fp16w32" else "fp32",
@@ -369,8 +374,6 @@ def _mlpackage_manifest(recipe: Recipe, pins: Pins, asset_dir: Path, outputs: di
             seconds=seconds,
             predictions=PREDICTIONS_NOTE,
         ),
-        aot=None,
-        compilation=Compilation(date=build_date(), targets=[]),
     )
 
 

@@ -26,7 +26,7 @@ from . import contract
 from .bundle import tree_hash
 from .errors import IntegrityError, NumericError
 from .host import Question, head_inputs, question_probs
-from .manifest import AnyManifest, MlpackageManifest, load_manifest, manifest_format
+from .manifest import AnyManifest, MainMlirb, MlpackageManifest, load_manifest, manifest_format
 from .pins import sha256_file
 
 TOLERANCES: dict[str, tuple[float, str]] = {
@@ -144,19 +144,17 @@ def check_bundle(bundle: Path) -> tuple[AnyManifest, Path, list[tuple[str, bool,
         raise IntegrityError(f"{meta}: not a valid manifest ({str(exc).splitlines()[0]})") from None
     asset = bundle / manifest.assets["main"]
     if isinstance(manifest, MlpackageManifest):
-        return manifest, asset, _check_package_files(manifest, asset)
+        from .coreml import MODEL_FILE, WEIGHT_FILE
+
+        checks = []
+        for rel, want in ((MODEL_FILE, manifest.export.model), (WEIGHT_FILE, manifest.export.weight_bin)):
+            digest = _check_file(asset / rel, want)
+            checks.append((f"{Path(rel).name} sha256 = manifest", True, digest[:16]))
+        return manifest, asset, checks
     mlirb = asset / "main.mlirb"
     hash_file = asset / "main.hash"
-    checks: list[tuple[str, bool, str]] = []
-    if not mlirb.is_file():
-        raise IntegrityError(f"{mlirb}: missing")
-    size = mlirb.stat().st_size
-    digest = sha256_file(mlirb)
-    if size != manifest.export.main_mlirb.bytes:
-        raise IntegrityError(f"{mlirb}: {size} bytes, the manifest says {manifest.export.main_mlirb.bytes}")
-    if digest != manifest.export.main_mlirb.sha256:
-        raise IntegrityError(f"{mlirb}: sha256 {digest[:12]}… differs from the manifest's {manifest.export.main_mlirb.sha256[:12]}…")
-    checks.append(("main.mlirb sha256 = manifest", True, digest[:16]))
+    digest = _check_file(mlirb, manifest.export.main_mlirb)
+    checks = [("main.mlirb sha256 = manifest", True, digest[:16])]
     try:
         stored = hash_file.read_bytes()
     except FileNotFoundError:
@@ -167,25 +165,20 @@ def check_bundle(bundle: Path) -> tuple[AnyManifest, Path, list[tuple[str, bool,
     return manifest, asset, checks
 
 
-def _check_package_files(manifest: MlpackageManifest, package: Path) -> list[tuple[str, bool, str]]:
-    from .coreml import MODEL_FILE, WEIGHT_FILE
-
-    checks = []
-    for rel, want in ((MODEL_FILE, manifest.export.model), (WEIGHT_FILE, manifest.export.weight_bin)):
-        path = package / rel
-        if not path.is_file():
-            raise IntegrityError(f"{path}: missing")
-        size = path.stat().st_size
-        if size != want.bytes:
-            raise IntegrityError(f"{path}: {size} bytes, the manifest says {want.bytes}")
-        digest = sha256_file(path)
-        if digest != want.sha256:
-            raise IntegrityError(f"{path}: sha256 {digest[:12]}… differs from the manifest's {want.sha256[:12]}…")
-        checks.append((f"{Path(rel).name} sha256 = manifest", True, digest[:16]))
-    return checks
+def _check_file(path: Path, want: MainMlirb) -> str:
+    """A file against the bytes and sha256 its manifest gives; returns the digest."""
+    if not path.is_file():
+        raise IntegrityError(f"{path}: missing")
+    size = path.stat().st_size
+    if size != want.bytes:
+        raise IntegrityError(f"{path}: {size} bytes, the manifest says {want.bytes}")
+    digest = sha256_file(path)
+    if digest != want.sha256:
+        raise IntegrityError(f"{path}: sha256 {digest[:12]}… differs from the manifest's {want.sha256[:12]}…")
+    return digest
 
 
-def _asset_digest(manifest: AnyManifest) -> str:
+def asset_digest(manifest: AnyManifest) -> str:
     """The digest that names the asset: main.mlirb's, or weight.bin's for a Core ML package."""
     if isinstance(manifest, MlpackageManifest):
         return manifest.export.weight_bin.sha256
@@ -473,7 +466,7 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
         "bundle": str(cfg.bundle),
         "bundle_tree_sha256": tree_hash(cfg.bundle),
         "format": manifest_format(manifest),
-        "asset_sha256": _asset_digest(manifest),
+        "asset_sha256": asset_digest(manifest),
         "source": {"hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic},
         "bars": {k: {"bar": v[0], "reason": v[1]} for k, v in TOLERANCES.items()},
         "seed": cfg.seed,
