@@ -237,7 +237,6 @@ class PackageInfo:
     functions: list[FunctionSpec]
     weight_bytes: int
     blobs: dict[int, Blob]
-    metadata: dict[str, str]
 
 
 def _shape(tensor_type) -> tuple[int, ...]:
@@ -283,25 +282,28 @@ def read_package(package: Path) -> PackageInfo:
         functions.append(FunctionSpec(name=fd_name, inputs=features(fd.input), outputs=features(fd.output),
                                       opset=fn.opset, ops=ops, fp16_outputs=fp16_out))
     weight = package / WEIGHT_FILE
-    meta = spec.description.metadata
     return PackageInfo(
         path=package, specification_version=spec.specificationVersion,
         default_function=spec.description.defaultFunctionName, functions=functions,
         weight_bytes=weight.stat().st_size if weight.is_file() else 0, blobs=blobs,
-        metadata={"author": meta.author, "license": meta.license, "description": meta.shortDescription,
-                  "version": meta.versionString, **dict(meta.userDefined)},
     )
 
 
-def read_blob(package: Path, blob: Blob) -> np.ndarray:
+def blob_reader(package: Path) -> Callable[[Blob], np.ndarray]:
+    """Reads blobs out of the package's weight.bin, one reader for all of them."""
     from coremltools.libmilstoragepython import _BlobStorageReader
 
-    reader = _BlobStorageReader(str(Path(package) / WEIGHT_FILE))
-    if blob.dtype == "FLOAT16":
-        return np.asarray(reader.read_fp16_data(blob.offset)).view(np.float16)
-    if blob.dtype == "FLOAT32":
-        return np.asarray(reader.read_float_data(blob.offset), dtype=np.float32)
-    raise IntegrityError(f"{Path(package) / WEIGHT_FILE}: blob at {blob.offset} has dtype {blob.dtype}")
+    path = Path(package) / WEIGHT_FILE
+    reader = _BlobStorageReader(str(path))
+
+    def read(blob: Blob) -> np.ndarray:
+        if blob.dtype == "FLOAT16":
+            return np.asarray(reader.read_fp16_data(blob.offset)).view(np.float16)
+        if blob.dtype == "FLOAT32":
+            return np.asarray(reader.read_float_data(blob.offset), dtype=np.float32)
+        raise IntegrityError(f"{path}: blob at {blob.offset} has dtype {blob.dtype}")
+
+    return read
 
 
 def check_package(info: PackageInfo, buckets: list[tuple[str, int]], hidden_size: int, weights: str,
@@ -362,8 +364,9 @@ def check_weights(info: PackageInfo, weights: str, params: dict[str, np.ndarray]
     stray: list[str] = []
     wrong_dtype = 0
     big_dtype = "FLOAT16" if weights == "fp16w32" else "FLOAT32"
+    read = blob_reader(info.path)
     for blob in sorted(info.blobs.values(), key=lambda b: b.offset):
-        data = read_blob(info.path, blob)
+        data = read(blob)
         name = wanted.get(_digest(data))
         if name is None:
             # the graph's own constants: small ones (masks, scales), and all-zero biases that
