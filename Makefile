@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test verify bench artifact fetch clean
+.PHONY: setup build test test-fast verify bench artifact fetch clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -54,8 +54,13 @@ fetch: setup
 artifact: setup $(SRC_DEPS)
 	$(BIN)/clef-export release $(RELEASE_RECIPES) $(SRC_ARGS) --dist dist --overwrite
 
+# the whole suite, both tiers (what CI runs)
 test: setup
 	CLEF_AUTHOR_CODE=$(AUTHOR) $(BIN)/python -m pytest -q -ra
+
+# the inner loop: the tiny-configuration tier only (plumbing and edges), no real-size end to end
+test-fast: setup
+	CLEF_AUTHOR_CODE=$(AUTHOR) $(BIN)/python -m pytest -q -ra -m "not real"
 
 bench: build
 	$(BIN)/python benchmarks/bench.py --source $(SYNTH) --pins $(SYNTH)/pins.json

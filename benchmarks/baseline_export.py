@@ -25,7 +25,7 @@ def main(source: Path, pins_path: Path, out: Path) -> None:
 
     from clef_flash.author import load_author_module
     from clef_flash.contract import BUCKETS, INPUT_ORDER, function_name
-    from clef_flash.export import example_inputs
+    from clef_flash.tracing import example_inputs
     from clef_flash.graph import ClefHeadGraph
     from clef_flash.pins import load_pins
 

@@ -24,7 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 EXE = Path(sys.executable).parent / "clef-export"
-PUBLISHED_MLIRB = 243_978_965
+# the published asset's size, from its manifest kept in the repository
+PUBLISHED = ROOT / "manifests" / "published" / "clef_flash_head_bucket_fp16w32.metadata.json"
+PUBLISHED_MLIRB = json.loads(PUBLISHED.read_text())["export"]["main_mlirb"]["bytes"]
 NAME = "clef_flash_head_bucket_fp16w32"
 
 
@@ -65,7 +67,8 @@ def bench_builds(source: Path, pins: Path, runs: int, work: Path) -> dict:
 
 
 def bench_hashes(source: Path, pins: Path) -> dict:
-    from clef_flash.pins import load_pins, sha256_file
+    from clef_flash.digest import sha256_file
+    from clef_flash.pins import load_pins
 
     files = [source / f for f in load_pins(pins).files]
     size = sum(f.stat().st_size for f in files)
@@ -108,7 +111,7 @@ def bench_latency(bundle: Path, source: Path, pins: Path) -> dict:
 
     from clef_flash.author import load_head
     from clef_flash.contract import BUCKETS, INPUT_ORDER, function_name
-    from clef_flash.gate import random_records
+    from clef_flash.records import random_records
     from clef_flash.graph import ClefHeadGraph
     from clef_flash.host import head_inputs
     from clef_flash.pins import load_pins

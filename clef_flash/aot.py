@@ -15,10 +15,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .artifact import RECORD_FILE, check_artifact
-from .bundle import atomic_write_json, output_lock, staged_dir, tree_files, tree_hash
+from pydantic import BaseModel
+
+from .artifact import check_artifact, check_bundle
+from .bundle import atomic_write_json, output_lock, staged_dir
+from .digest import tree_files, tree_hash
 from .errors import ToolchainError, UsageError
-from .manifest import Aot, Compilation, Manifest, load_manifest, manifest_format
+from .layout import MANIFEST_FILE, RECORD_FILE
+from .manifest import Aot, Compilation
+from .provenance import build_date
 
 NOTE = ("compiled for the gates with: xcrun coreai-build compile <this .aimodel> --output <dir> {flags} "
         "(not shipped; the Swift host specializes the .aimodel)")
@@ -49,14 +54,12 @@ def find_coreai_build() -> str:
     return r.stdout.strip()
 
 
-def aot_compile(cfg: AotConfig, log=lambda msg: None) -> Manifest:
-    from .export import build_date
-
+def aot_compile(cfg: AotConfig, log=lambda msg: None) -> BaseModel:
     bundle = Path(cfg.bundle)
     check_artifact(bundle)  # compile only what the build record vouches for
-    manifest = load_manifest((bundle / "metadata.json").read_bytes())
-    if not isinstance(manifest, Manifest):
-        raise UsageError(f"{bundle}: a {manifest_format(manifest)} bundle; coreai-build compiles .aimodel assets")
+    manifest, fmt, _asset, _checks = check_bundle(bundle)
+    if not fmt.AOT:
+        raise UsageError(f"{bundle}: a {fmt.FORMAT} bundle; coreai-build compiles .aimodel assets")
     tool = find_coreai_build()
     xcrun = shutil.which("xcrun")
     assert xcrun is not None
@@ -79,7 +82,7 @@ def aot_compile(cfg: AotConfig, log=lambda msg: None) -> Manifest:
             "aot": Aot(note=NOTE.format(flags=" ".join(cfg.flags)), flags=cfg.flags, seconds=seconds),
             "compilation": Compilation(date=build_date(), targets=[cfg.architecture]),
         })
-        atomic_write_json(tmp / "metadata.json", updated.model_dump(mode="json"))
+        atomic_write_json(tmp / MANIFEST_FILE, updated.model_dump(mode="json"))
         record = json.loads((tmp / RECORD_FILE).read_text())
         record["aot"] = {"tool": tool, "flags": cfg.flags, "seconds": seconds, "output": compiled_name,
                          "output_tree_sha256": tree_hash(tmp / compiled_name)}

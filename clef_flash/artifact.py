@@ -1,29 +1,43 @@
-"""A finished bundle, read back: re-hash it against its record and manifest; describe it from the
-asset itself (functions, input / output shapes and dtypes, as the Core AI runtime reports them)."""
+"""A finished bundle, read back: its asset against its manifest (``check_bundle``), every file
+against its build record (``check_artifact``, ``verify-artifact``), and what it holds
+(``inspect_bundle``: functions, inputs, outputs, from the asset itself)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
-from .bundle import tree_files
-from .errors import IntegrityError
+from pydantic import BaseModel
 
-RECORD_FILE = "build-record.json"
+from .backends import Backend, load_manifest, of_manifest
+from .digest import tree_files
+from .errors import IntegrityError
+from .layout import MANIFEST_FILE, RECORD_FILE
+
+
+def check_bundle(bundle: Path) -> tuple[BaseModel, Backend, Path, list[tuple[str, bool, str]]]:
+    """The bundle's asset against its manifest: (manifest, backend, asset path, checks). Raises
+    ``IntegrityError`` naming the first broken file."""
+    bundle = Path(bundle)
+    meta = bundle / MANIFEST_FILE
+    try:
+        manifest = load_manifest(meta.read_bytes())
+    except FileNotFoundError:
+        raise IntegrityError(f"{meta}: missing") from None
+    except ValueError as exc:
+        raise IntegrityError(f"{meta}: not a valid manifest ({str(exc).splitlines()[0]})") from None
+    fmt = of_manifest(manifest)
+    asset = bundle / manifest.assets["main"]
+    return manifest, fmt, asset, fmt.check_files(manifest, asset)
 
 
 def check_artifact(bundle: Path) -> dict[str, Any]:
-    """Every file of the bundle against the build record's digests, plus manifest and main.hash."""
-    from .gate import asset_digest, check_bundle
-    from .manifest import manifest_format
-
+    """Every file of the bundle against the build record's digests, plus the manifest's checks."""
     bundle = Path(bundle)
     if not bundle.is_dir():
         raise IntegrityError(f"{bundle}: bundle folder not found")
-    manifest, _asset, _checks = check_bundle(bundle)
+    manifest, fmt, _asset, _checks = check_bundle(bundle)
     record_path = bundle / RECORD_FILE
     try:
         record = json.loads(record_path.read_text())
@@ -42,55 +56,20 @@ def check_artifact(bundle: Path) -> dict[str, Any]:
         if actual[name] != expected[name]:
             raise IntegrityError(f"{bundle / name}: sha256 differs from {RECORD_FILE}")
     return {"bundle": str(bundle), "files": len(actual), "name": manifest.name,
-            "format": manifest_format(manifest), "asset_sha256": asset_digest(manifest)}
-
-
-async def _describe(asset: Path) -> list[dict[str, Any]]:
-    from coreai.authoring.asset import AIModelAsset
-
-    out = []
-    async with AIModelAsset.load(asset).executable() as model:
-        for name in model.function_names:
-            fn = model.load_function(name)
-            d = fn.desc
-            out.append({
-                "name": name,
-                "inputs": [{"name": n, "shape": list(d.input_descriptor(n).shape), "dtype": str(d.input_descriptor(n).dtype)}
-                           for n in d.input_names],
-                "outputs": [{"name": n, "shape": list(d.output_descriptor(n).shape), "dtype": str(d.output_descriptor(n).dtype)}
-                            for n in d.output_names],
-            })
-    return out
-
-
-def describe_asset(asset: Path) -> list[dict[str, Any]]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return asyncio.run(_describe(Path(asset)))
+            "format": fmt.FORMAT, "asset_sha256": fmt.asset_digest(manifest)}
 
 
 def inspect_bundle(bundle: Path) -> dict[str, Any]:
-    """From the asset itself: the Core AI runtime's view of an ``.aimodel``, the saved spec of a
-    ``.mlpackage`` (no Core ML runtime on Linux)."""
-    from .gate import check_bundle
-    from .manifest import MlpackageManifest, manifest_format
-
-    manifest, asset, _ = check_bundle(bundle)
+    """From the asset itself (the Core AI runtime's view of an ``.aimodel``, the saved spec of a
+    ``.mlpackage``) and the manifest."""
+    manifest, fmt, asset, _ = check_bundle(bundle)
     order = {name: i for i, (name, _) in enumerate(manifest.head.buckets)}
-    if isinstance(manifest, MlpackageManifest):
-        from . import coreml
-
-        functions = coreml.describe(coreml.read_package(asset))
-        sizes = {"asset_bytes": manifest.export.mlpackage_bytes, "weight_bin_bytes": manifest.export.weight_bin.bytes}
-    else:
-        functions = describe_asset(asset)
-        sizes = {"asset_bytes": manifest.export.aimodel_bytes, "main_mlirb_bytes": manifest.export.main_mlirb.bytes}
     return {
         "name": manifest.name,
         "kind": manifest.kind,
-        "format": manifest_format(manifest),
+        "format": fmt.FORMAT,
         "weights": manifest.head.weights,
-        **sizes,
+        **fmt.sizes(manifest),
         "source": manifest.head.source.model_dump(),
-        "functions": sorted(functions, key=lambda f: order.get(f["name"], len(order))),
+        "functions": sorted(fmt.describe(asset), key=lambda f: order.get(f["name"], len(order))),
     }

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .bundle import atomic_write_bytes
 from .errors import IntegrityError, ToolchainError, first_validation_error
-from .pins import sha256_bytes
+from .digest import sha256_bytes
 
 AUTHOR_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
 AUTHOR_WHEEL = "clef-finetune==0.1.0"

@@ -1,4 +1,4 @@
-"""Atomic outputs: temp sibling on the same file system, fsync, rename; tree hashes; a lock.
+"""Atomic outputs: temp sibling on the same file system, fsync, rename; a lock per output.
 
 A bundle appears complete or not at all. ``staged_dir`` builds into ``.<name>.tmp-<pid>-<rand>``
 next to the final path and swaps it in with one rename (RENAME_EXCHANGE where the kernel has it,
@@ -11,7 +11,6 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import secrets
@@ -21,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UsageError
-from .pins import sha256_file
 
 _TMP_TAG = ".tmp-"
 _OLD_TAG = ".old-"
@@ -189,19 +187,3 @@ def staged_dir(final: Path, overwrite: bool) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-
-def tree_files(root: Path) -> dict[str, str]:
-    """Every regular file under ``root`` (relative POSIX path -> sha256), sorted."""
-    root = Path(root)
-    out: dict[str, str] = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_symlink():
-            out[p.relative_to(root).as_posix()] = "symlink"
-        elif p.is_file():
-            out[p.relative_to(root).as_posix()] = sha256_file(p)
-    return out
-
-
-def tree_hash(root: Path) -> str:
-    lines = "".join(f"{k}\0{v}\n" for k, v in tree_files(root).items())
-    return hashlib.sha256(lines.encode()).hexdigest()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -77,14 +76,8 @@ RecipeArg = Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default:
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically).")]
 
 
-class Format(str, Enum):
-    """Asset formats (the recipe's ``format``)."""
-
-    aimodel = "aimodel"
-    mlpackage = "mlpackage"
-
-
-FormatOpt = Annotated[Format, typer.Option("--format", help="aimodel (Core AI, macOS 27) or mlpackage (Core ML, macOS 15+).")]
+# formats are the backends' names (backends.FORMATS), checked when the backend is looked up
+FORMAT_HELP = "Asset format: aimodel (Core AI, macOS 27) or mlpackage (Core ML, macOS 15+)."
 VerifyRecordsOpt = Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for the gate.")]
 
 
@@ -193,21 +186,22 @@ def build(
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run the gate on the saved asset before it lands.")] = True,
     verify_records: VerifyRecordsOpt = None,
     aot_compile: Annotated[bool, typer.Option("--aot", help="AOT-compile after the build (macOS, Xcode 27).")] = False,
-    format: Annotated[Optional[Format], typer.Option(
-        "--format", help="aimodel or mlpackage: picks the format's recipe in conversion/ when none is named.")] = None,
+    format: Annotated[Optional[str], typer.Option(
+        "--format", help=FORMAT_HELP + " Picks the format's recipe in conversion/ when none is named.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Verify hashes, trace ClefHeadGraph per bucket, convert to one multi-function asset, write metadata.json."""
+    from .backends import DEFAULT_FORMAT, backend
+    from .build import BuildConfig, build as do_build
     from .errors import UsageError
-    from .export import BuildConfig, build as do_build
-    from .recipe import FORMAT_RECIPES, load_recipe
+    from .recipe import format_recipe, load_recipe
 
     def go():
-        recipe_path = recipe or FORMAT_RECIPES[(format or Format.aimodel).value]
+        recipe_path = recipe or format_recipe(format or DEFAULT_FORMAT)
         r = load_recipe(recipe_path)
-        if format is not None and r.format != format.value:
-            raise UsageError(f"{recipe_path}: the recipe's format is {r.format}, not --format {format.value}")
-        if aot_compile and r.format != "aimodel":
+        if format is not None and r.format != backend(format).FORMAT:
+            raise UsageError(f"{recipe_path}: the recipe's format is {r.format}, not --format {format}")
+        if aot_compile and not backend(r.format).AOT:
             raise UsageError(f"{recipe_path}: --aot compiles .aimodel assets with coreai-build; this recipe builds {r.format}")
         cfg = BuildConfig(recipe=r, recipe_path=recipe_path, source=source, pins_path=pins, out=out,
                           overwrite=overwrite, dry_run=dry_run, verify=verify, verify_records=verify_records)
@@ -234,10 +228,9 @@ def build(
     if json_out:
         _emit_json(m.model_dump(mode="json"))
     s = m.export.seconds
-    from .manifest import MlpackageManifest
+    from .backends import of_manifest
 
-    size = (f"weight.bin {m.export.weight_bin.bytes:,} bytes ({m.export.weight_storage})"
-            if isinstance(m, MlpackageManifest) else f"main.mlirb {m.export.main_mlirb.bytes:,} bytes")
+    size = of_manifest(m).summary(m)
     err.print(f"[bold green]built[/] {result.bundle}: {size}, export {s.export:.1f} s, total {s.total:.1f} s"
               + (" [yellow](synthetic source)[/]" if result.record.get("synthetic") else ""))
     v = result.record.get("verify")
@@ -385,11 +378,11 @@ def verify_artifact(bundle: Annotated[Path, typer.Argument(help="A built bundle 
 
 
 @app.command()
-def schema(format: FormatOpt = Format.aimodel) -> None:
+def schema(format: Annotated[Optional[str], typer.Option("--format", help=FORMAT_HELP)] = None) -> None:
     """Print the JSON Schema of metadata.json (manifests/metadata*.schema.json hold them)."""
-    from .manifest import json_schema
+    from .backends import DEFAULT_FORMAT, json_schema
 
-    _emit_json(json_schema(format.value))
+    _emit_json(_run(lambda: json_schema(format or DEFAULT_FORMAT)))
 
 
 @app.command()

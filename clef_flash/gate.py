@@ -1,9 +1,11 @@
-"""Stage 5: the gate. Run a finished bundle with the Core AI runtime against the author's head.
+"""The gate: run a finished bundle against the author's head.
 
-1. the bundle against its manifest (bytes, sha256, ``main.hash``), the source against its pins,
+1. the bundle against its manifest (``artifact.check_bundle``), the source against its pins,
    and the manifest's source hashes against the files loaded;
-2. the author's ``JointSchemaHead`` (verified module, strict load, fp32, CPU) and the asset;
-3. seeded random records per function (or recorded ``.npz`` records) through both;
+2. the author's ``JointSchemaHead`` (verified module, strict load, fp32, CPU); the backend's
+   read-back checks of the asset;
+3. seeded random records per function (or recorded ``.npz`` records, ``records``) through both,
+   the asset run by its backend's runner (the Core AI runtime runs on Linux CPUs);
 4. a checklist per function; every failure is collected, then the gate fails (exit 4).
 
 Bars are data with a one-line reason each (``TOLERANCES``) and are written into the transcript.
@@ -12,8 +14,6 @@ Bars are data with a one-line reason each (``TOLERANCES``) and are written into 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,12 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from . import contract
-from .bundle import tree_hash
-from .errors import IntegrityError, NumericError
-from .host import Question, head_inputs, question_probs
-from .manifest import AnyManifest, MainMlirb, MlpackageManifest, load_manifest, manifest_format
-from .pins import sha256_file
+from .errors import NumericError
+from .host import head_inputs, question_probs
+from .records import LEXICAL_VOCAB, Record, author_logits, load_recorded, random_records
 
 TOLERANCES: dict[str, tuple[float, str]] = {
     "max_abs_dp": (1e-5, "per-question fp32 softmax; the publisher measured 1.8e-7 on its GPU, and fp16 storage "
@@ -39,7 +36,6 @@ TOLERANCES: dict[str, tuple[float, str]] = {
     "rerun": (0.0, "a second run of the first record reproduces it bit for bit"),
 }
 RED_ARMS = ("spans_late", "lexical_zero", "member_rotated")
-LEXICAL_VOCAB = 1024
 
 
 @dataclass(frozen=True)
@@ -129,158 +125,7 @@ class Report:
                                + (f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""))
 
 
-# ---------------------------------------------------------------- bundle checks
-
-
-def check_bundle(bundle: Path) -> tuple[AnyManifest, Path, list[tuple[str, bool, str]]]:
-    """The bundle against its manifest; raises ``IntegrityError`` naming the first broken file."""
-    bundle = Path(bundle)
-    meta = bundle / "metadata.json"
-    try:
-        manifest = load_manifest(meta.read_bytes())
-    except FileNotFoundError:
-        raise IntegrityError(f"{meta}: missing") from None
-    except ValueError as exc:
-        raise IntegrityError(f"{meta}: not a valid manifest ({str(exc).splitlines()[0]})") from None
-    asset = bundle / manifest.assets["main"]
-    if isinstance(manifest, MlpackageManifest):
-        from .coreml import MODEL_FILE, WEIGHT_FILE
-
-        checks = []
-        for rel, want in ((MODEL_FILE, manifest.export.model), (WEIGHT_FILE, manifest.export.weight_bin)):
-            digest = _check_file(asset / rel, want)
-            checks.append((f"{Path(rel).name} sha256 = manifest", True, digest[:16]))
-        return manifest, asset, checks
-    mlirb = asset / "main.mlirb"
-    hash_file = asset / "main.hash"
-    digest = _check_file(mlirb, manifest.export.main_mlirb)
-    checks = [("main.mlirb sha256 = manifest", True, digest[:16])]
-    try:
-        stored = hash_file.read_bytes()
-    except FileNotFoundError:
-        raise IntegrityError(f"{hash_file}: missing") from None
-    if stored.hex() != digest:
-        raise IntegrityError(f"{hash_file}: does not hold the sha256 of main.mlirb")
-    checks.append(("main.hash = sha256(main.mlirb)", True, "ok"))
-    return manifest, asset, checks
-
-
-def _check_file(path: Path, want: MainMlirb) -> str:
-    """A file against the bytes and sha256 its manifest gives; returns the digest."""
-    if not path.is_file():
-        raise IntegrityError(f"{path}: missing")
-    size = path.stat().st_size
-    if size != want.bytes:
-        raise IntegrityError(f"{path}: {size} bytes, the manifest says {want.bytes}")
-    digest = sha256_file(path)
-    if digest != want.sha256:
-        raise IntegrityError(f"{path}: sha256 {digest[:12]}… differs from the manifest's {want.sha256[:12]}…")
-    return digest
-
-
-def asset_digest(manifest: AnyManifest) -> str:
-    """The digest that names the asset: main.mlirb's, or weight.bin's for a Core ML package."""
-    if isinstance(manifest, MlpackageManifest):
-        return manifest.export.weight_bin.sha256
-    return manifest.export.main_mlirb.sha256
-
-
-# ---------------------------------------------------------------- records
-
-
-@dataclass(frozen=True)
-class Record:
-    hidden: np.ndarray  # [L, H] f32
-    ids: np.ndarray  # [L] int64
-    questions: tuple[Question, ...]
-
-
-def random_records(n: int, bucket: int, lower: int, hidden_size: int, vocab: int, seed: int,
-                   q_pad: int = contract.Q_PAD, o_pad: int = contract.O_PAD) -> list[Record]:
-    """Seeded records for one bucket covering the edges: T at the bucket's lower and upper edge,
-    1 and ``q_pad`` questions, 2 and ``o_pad`` options, every type, spans touching 0 and T."""
-    rng = np.random.default_rng([seed, bucket])
-    records = []
-    for i in range(n):
-        if i == 0:
-            length, nq, total = bucket, q_pad, o_pad
-        elif i == 1:
-            length, nq, total = lower + 1, 1, 2
-        else:
-            length = int(rng.integers(lower + 1, bucket + 1))
-            nq = int(rng.integers(1, q_pad + 1))
-            total = int(rng.integers(2 * nq, o_pad + 1)) if 2 * nq <= o_pad else 2 * nq
-        # option counts: at least 2 each, summing to total
-        counts = np.full(nq, 2)
-        for _ in range(total - 2 * nq):
-            counts[rng.integers(0, nq)] += 1
-        span_max = max(1, min(12, length // 4))
-
-        def span(length: int = length, span_max: int = span_max) -> tuple[int, int]:
-            s = int(rng.integers(0, length))
-            e = min(length, s + int(rng.integers(1, span_max + 1)))
-            return (s, e)
-
-        questions = []
-        for q in range(nq):
-            qs = (0, min(length, span_max)) if q == 0 else span()
-            opts = [span() for _ in range(int(counts[q]))]
-            if q == nq - 1:
-                opts[-1] = (length - 1, length)  # a span at T's upper edge
-            questions.append(Question(
-                question_type=int(q % 3 if i < 2 else rng.integers(0, 3)),
-                question_span=qs,
-                option_spans=tuple(opts),
-                option_ids=tuple(str(k) for k in range(len(opts))),
-                question_id=f"q{q}",
-            ))
-        hidden = rng.standard_normal((length, hidden_size), dtype=np.float32)
-        ids = rng.integers(0, vocab, size=length)
-        records.append(Record(hidden=hidden, ids=ids, questions=tuple(questions)))
-    return records
-
-
-def load_recorded(path: Path) -> list[Record]:
-    """Recorded records: an ``.npz`` with ``hidden_<i>``, ``ids_<i>`` and ``questions_<i>`` (JSON)."""
-    data = np.load(path, allow_pickle=False)
-    records = []
-    i = 0
-    while f"hidden_{i}" in data:
-        qs = json.loads(str(data[f"questions_{i}"]))
-        records.append(Record(
-            hidden=np.asarray(data[f"hidden_{i}"], np.float32),
-            ids=np.asarray(data[f"ids_{i}"], np.int64),
-            questions=tuple(Question(
-                question_type=int(q["type"]), question_span=tuple(q["question_span"]),
-                option_spans=tuple(tuple(s) for s in q["option_spans"]),
-                option_ids=tuple(q.get("option_ids") or [str(k) for k in range(len(q["option_spans"]))]),
-                question_id=str(q.get("id", f"q{j}")),
-            ) for j, q in enumerate(qs)),
-        ))
-        i += 1
-    if not records:
-        raise IntegrityError(f"{path}: no records (expected hidden_0, ids_0, questions_0)")
-    return records
-
-
 # ---------------------------------------------------------------- the gate
-
-
-def author_logits(module, head, record: Record, table) -> list[np.ndarray]:
-    import torch
-
-    qs = tuple(
-        module.EncodedQuestion(question_id=q.question_id, question_type=q.question_type,
-                               question_span=tuple(q.question_span), option_spans=tuple(q.option_spans),
-                               option_ids=tuple(q.option_ids))
-        for q in record.questions
-    )
-    rec = module.EncodedRecord(input_ids=tuple(int(x) for x in record.ids), questions=qs, record_id="gate")
-    length = len(record.ids)
-    with torch.inference_mode():
-        out = head(torch.from_numpy(record.hidden)[None], torch.from_numpy(record.ids)[None],
-                   torch.ones(1, length, dtype=torch.long), [rec], table)[0]
-    return [o.float().numpy() for o in out]
 
 
 def red_arrays(arrays: dict[str, np.ndarray], arm: str) -> dict[str, np.ndarray]:
@@ -310,46 +155,7 @@ def _max_dp(pa: list[np.ndarray], pb: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(pa, pb, strict=True))
 
 
-@contextlib.asynccontextmanager
-async def coreai_runner(asset: Path, names: list[str]):
-    """``call(function, arrays) -> logits`` through the Core AI runtime. All calls of all functions
-    go through one bounded queue: the CPU runtime runs a call on about one core."""
-    import os
-
-    from coreai.authoring.asset import AIModelAsset
-    from coreai.runtime import NDArray
-
-    slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
-    async with AIModelAsset.load(asset).executable() as model:
-        fns = {}
-        for name in names:
-            fn = model.load_function(name)
-            if fn is None:
-                raise IntegrityError(f"{asset}: function {name} not found")
-            fns[name] = fn
-
-        async def call(name: str, arrays: dict[str, np.ndarray]) -> np.ndarray:
-            async with slots:
-                out = await fns[name]({k: NDArray(np.ascontiguousarray(v)) for k, v in arrays.items()})
-                return np.array(out["logits"].numpy(), dtype=np.float32, copy=True)
-
-        yield call
-
-
-@contextlib.asynccontextmanager
-async def coreml_runner(asset: Path, names: list[str]):
-    """``call(function, arrays) -> logits`` through Core ML (macOS; one call at a time)."""
-    from . import coreml
-
-    fns = {name: coreml.predictor(asset, name) for name in names}
-
-    async def call(name: str, arrays: dict[str, np.ndarray]) -> np.ndarray:
-        return np.array(fns[name](arrays), dtype=np.float32, copy=True)
-
-    yield call
-
-
-async def _run_gate(cfg: VerifyConfig, manifest: AnyManifest, asset: Path, module, head, records_for, log, runner):
+async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head, records_for, log, runner):
     """Every record of every function through ``runner`` and through the author's head."""
     import torch
 
@@ -415,15 +221,19 @@ async def _run_gate(cfg: VerifyConfig, manifest: AnyManifest, asset: Path, modul
 
 
 def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
+    """The bundle against its manifest, the source against its pins, the backend's read-back
+    checks, then every function against the author's head (where this machine can run it)."""
     import torch
 
+    from .artifact import check_bundle
     from .author import load_head
-    from .export import tool_versions
+    from .digest import tree_hash
     from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, load_pins
+    from .provenance import tool_versions
     from .source import require_verified, resolve_source
 
     t_start = time.perf_counter()
-    manifest, asset, checks = check_bundle(cfg.bundle)
+    manifest, fmt, asset, checks = check_bundle(cfg.bundle)
     pins = load_pins(cfg.pins_path)
     source = resolve_source(cfg.source, pins)
     require_verified(source, pins)
@@ -439,18 +249,13 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
 
     module, config, head = load_head(source, pins, torch.float32)
     recorded = load_recorded(cfg.recorded) if cfg.recorded else None
-    notes: list[str] = []
-    runner = coreai_runner
-    if isinstance(manifest, MlpackageManifest):
-        from . import coreml
-
-        log("reading the package back: functions, inputs, outputs, weights")
-        params = {k: v.numpy() for k, v in head.state_dict().items()}
-        checks.extend(coreml.check_package(coreml.read_package(asset), manifest.head.buckets, config.hidden_size,
-                                           manifest.head.weights, params))
-        runner = coreml_runner
-        if not coreml.can_predict():
-            notes.append(f"outputs not compared: {coreml.PREDICTIONS_NOTE}")
+    params = {k: v.numpy() for k, v in head.state_dict().items()}
+    extra = fmt.read_back(asset, manifest, config.hidden_size, params)
+    if extra:
+        log("read the asset back: functions, inputs, outputs, weights")
+    checks.extend(extra)
+    why_not = fmt.cannot_run()
+    notes = [f"outputs not compared: {why_not}"] if why_not else []
 
     def records_for(bucket: int, lower: int, hidden_size: int) -> list[Record]:
         if recorded is not None:
@@ -458,15 +263,15 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
         return random_records(cfg.records, bucket, lower, hidden_size, LEXICAL_VOCAB, cfg.seed)
 
     results: list[FunctionResult] = []
-    if not notes:
+    if not why_not:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            results = asyncio.run(_run_gate(cfg, manifest, asset, module, head, records_for, log, runner))
+            results = asyncio.run(_run_gate(cfg, manifest, asset, module, head, records_for, log, fmt.runner))
     transcript = {
         "bundle": str(cfg.bundle),
         "bundle_tree_sha256": tree_hash(cfg.bundle),
-        "format": manifest_format(manifest),
-        "asset_sha256": asset_digest(manifest),
+        "format": fmt.FORMAT,
+        "asset_sha256": fmt.asset_digest(manifest),
         "source": {"hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic},
         "bars": {k: {"bar": v[0], "reason": v[1]} for k, v in TOLERANCES.items()},
         "seed": cfg.seed,

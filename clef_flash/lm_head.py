@@ -25,7 +25,8 @@ import numpy as np
 from .author import read_verified
 from .bundle import atomic_write_json, check_output_path
 from .errors import IntegrityError, NumericError
-from .pins import Pins, sha256_file
+from .digest import sha256_file
+from .pins import Pins
 
 INDEX_FILE = "model.safetensors.index.json"
 TENSOR = "lm_head.weight"

@@ -1,16 +1,20 @@
-"""Typed manifests: ``metadata.json`` (the published schema, key for key) and ``build-record.json``.
-
-The JSON Schema in ``manifests/metadata.schema.json`` is generated from ``Manifest`` (``clef-export
-schema``); a test keeps it in sync. Both the published manifest and ours validate against it.
+"""The parts of ``metadata.json`` that every format shares: the head (how to call it), its source,
+file digests, seconds, AOT and compilation. Each backend defines its manifest model from these
+(``aimodel.Manifest`` is the published schema, key for key); ``backends`` reads a manifest by its
+format and writes the JSON Schemas in ``manifests/``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import contract
+from .digest import sha256_file
+from .errors import IntegrityError
+from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
 
 METADATA_VERSION = "0.2"
 KIND = "decision-head"
@@ -24,11 +28,13 @@ LEXICAL_TEXT = "host: lm_head_fp16.bin rows of each option span's ids, averaged 
 OUTPUT_TEXT = "[O] f32; padding options 0"
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
+    """Every manifest model: unknown keys are an error."""
+
     model_config = ConfigDict(extra="forbid")
 
 
-class Source(_Strict):
+class Source(Strict):
     hf_id: str
     revision: str = Field(pattern=r"^[0-9a-f]{40}$")
     joint_schema_model_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
@@ -36,7 +42,7 @@ class Source(_Strict):
     joint_head_config_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class Head(_Strict):
+class Head(Strict):
     graph: str
     shape: str
     functions: list[str]
@@ -53,12 +59,14 @@ class Head(_Strict):
     source: Source
 
 
-class MainMlirb(_Strict):
+class FileDigest(Strict):
+    """A file of the asset: its size and sha256."""
+
     bytes: int = Field(ge=0)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class Seconds(_Strict):
+class Seconds(Strict):
     build: float
     export: float
     optimize: float
@@ -66,89 +74,39 @@ class Seconds(_Strict):
     total: float
 
 
-class ExportAttempt(_Strict):
-    externalize: str
-    ok: bool
-    seconds: float
-
-
-class Export(_Strict):
-    aimodel_bytes: int = Field(ge=0)
-    main_mlirb: MainMlirb
-    seconds: Seconds
-    export_attempts: list[ExportAttempt]
-
-
-class Aot(_Strict):
+class Aot(Strict):
     note: str
     flags: list[str]
     seconds: float
 
 
-class Compilation(_Strict):
+class Compilation(Strict):
     date: str
     targets: list[str]
 
 
-class Manifest(_Strict):
-    """``metadata.json`` of a head bundle."""
-
-    metadata_version: str
-    kind: str
-    name: str
-    assets: dict[str, str]
-    head: Head
-    export: Export
-    aot: Aot | None
-    compilation: Compilation
-
-
-class MlpackageExport(_Strict):
-    """The ``export`` section of a Core ML package manifest (``format: mlpackage``)."""
-
-    mlpackage_bytes: int = Field(ge=0)
-    model: MainMlirb  # Data/com.apple.CoreML/model.mlmodel
-    weight_bin: MainMlirb  # Data/com.apple.CoreML/weights/weight.bin
-    weight_storage: Literal["fp16", "fp32"]
-    compute_precision: Literal["fp32"]
-    minimum_deployment_target: str
-    coremltools: str
-    seconds: Seconds
-    predictions: str
+def check_file(path: Path, want: FileDigest) -> str:
+    """A file against the size and sha256 its manifest gives; returns the digest, or raises
+    ``IntegrityError`` naming the file."""
+    if not path.is_file():
+        raise IntegrityError(f"{path}: missing")
+    size = path.stat().st_size
+    if size != want.bytes:
+        raise IntegrityError(f"{path}: {size} bytes, the manifest says {want.bytes}")
+    digest = sha256_file(path)
+    if digest != want.sha256:
+        raise IntegrityError(f"{path}: sha256 {digest[:12]}… differs from the manifest's {want.sha256[:12]}…")
+    return digest
 
 
-class MlpackageManifest(_Strict):
-    """``metadata.json`` of a Core ML package bundle: the same ``decision-head`` shape, naming its
-    format (the published ``.aimodel`` manifest has no ``format`` key and stays key for key)."""
-
-    metadata_version: str
-    kind: str
-    format: Literal["mlpackage"]
-    name: str
-    assets: dict[str, str]
-    head: Head
-    export: MlpackageExport
-    aot: Aot | None
-    compilation: Compilation
-
-
-AnyManifest = Manifest | MlpackageManifest
-FORMATS: dict[str, type[BaseModel]] = {"aimodel": Manifest, "mlpackage": MlpackageManifest}
-
-
-def manifest_format(manifest: BaseModel) -> str:
-    return "mlpackage" if isinstance(manifest, MlpackageManifest) else "aimodel"
-
-
-def load_manifest(data: bytes) -> AnyManifest:
-    """A bundle's ``metadata.json``: ``format: mlpackage`` selects the Core ML model, else the
-    published one. Raises ``ValueError`` (pydantic's) on anything else."""
-    import json
-
-    raw = json.loads(data)
-    if isinstance(raw, dict) and raw.get("format") == "mlpackage":
-        return MlpackageManifest.model_validate(raw)
-    return Manifest.model_validate(raw)
+def source_section(pins: Pins) -> Source:
+    return Source(
+        hf_id=pins.hf_id,
+        revision=pins.revision,
+        joint_schema_model_sha256=pins.files[CODE_FILE],
+        joint_head_safetensors_sha256=pins.files[WEIGHTS_FILE],
+        joint_head_config_sha256=pins.files[CONFIG_FILE],
+    )
 
 
 def head_section(*, buckets: tuple[int, ...], weights: str, source: Source, hidden_size: int = 4096) -> Head:
@@ -171,18 +129,22 @@ def head_section(*, buckets: tuple[int, ...], weights: str, source: Source, hidd
     )
 
 
+def common_fields(*, name: str, asset: str, buckets: tuple[int, ...], weights: str, pins: Pins, hidden_size: int,
+                  date: str) -> dict[str, Any]:
+    """The keys every bundle's manifest has, whatever its format; a backend adds ``export``."""
+    return {
+        "metadata_version": METADATA_VERSION,
+        "kind": KIND,
+        "name": name,
+        "assets": {"main": asset},
+        "head": head_section(buckets=buckets, weights=weights, source=source_section(pins), hidden_size=hidden_size),
+        "aot": None,
+        "compilation": Compilation(date=date, targets=[]),
+    }
+
+
 # The comparison that "describes the head" covers these keys of ``head``.
 HEAD_DESCRIPTIVE_KEYS = (
     "shape", "functions", "buckets", "dims", "host_pad", "host_pad_rule",
     "inputs", "input_order", "outputs", "weights", "softmax", "lexical",
 )
-
-
-SCHEMA_FILES = {"aimodel": "metadata.schema.json", "mlpackage": "metadata-mlpackage.schema.json"}
-
-
-def json_schema(fmt: str = "aimodel") -> dict[str, Any]:
-    schema = FORMATS[fmt].model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"clef-export/{SCHEMA_FILES[fmt]}"
-    return schema

@@ -1,11 +1,10 @@
-"""The pinned source: hf_id, a 40-hex commit, file -> sha256. Streaming sha256.
+"""The pinned source: hf_id, a 40-hex commit, file -> sha256.
 
 Pins are checked before any network access: a malformed pins file is a usage error (exit 2).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path, PurePosixPath
 
@@ -20,7 +19,6 @@ HEAD_FILES = (CODE_FILE, WEIGHTS_FILE, CONFIG_FILE)
 
 HEX40 = r"^[0-9a-f]{40}$"
 HEX64 = r"^[0-9a-f]{64}$"
-_CHUNK = 8 << 20
 
 
 class Pins(BaseModel):
@@ -67,13 +65,3 @@ def load_pins(path: Path) -> Pins:
         return Pins.model_validate(data)
     except ValidationError as exc:
         raise UsageError(f"{path}: invalid pins {first_validation_error(exc)}") from None
-
-
-def sha256_file(path: Path) -> str:
-    """Streaming sha256 of a file (hashlib's file_digest: large reads, no Python loop)."""
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()

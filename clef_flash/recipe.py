@@ -13,8 +13,19 @@ from .errors import UsageError, first_validation_error
 
 CONVERSION = Path(__file__).resolve().parent.parent / "conversion"
 DEFAULT_RECIPE = CONVERSION / "head_bucket_fp16w32.toml"
-# the recipe ``build --format F`` uses when no recipe is named
-FORMAT_RECIPES = {"aimodel": DEFAULT_RECIPE, "mlpackage": CONVERSION / "head_bucket_fp16w32_mlpackage.toml"}
+
+
+def format_recipe(fmt: str) -> Path:
+    """The recipe ``build --format F`` uses when no recipe is named: the backend names it."""
+    from .backends import backend
+
+    return CONVERSION / backend(fmt).RECIPE
+
+
+def _default_format() -> str:
+    from .backends import DEFAULT_FORMAT
+
+    return DEFAULT_FORMAT
 
 
 class VerifyPlan(BaseModel):
@@ -33,8 +44,17 @@ class Recipe(BaseModel):
     q_pad: int = Field(default=Q_PAD, ge=1)
     o_pad: int = Field(default=O_PAD, ge=2)
     weights: Literal["fp16w32", "fp32"] = "fp16w32"
-    format: Literal["aimodel", "mlpackage"] = "aimodel"
+    format: str = Field(default_factory=lambda: _default_format())  # a backend's name (``backends.FORMATS``)
     verify: VerifyPlan = VerifyPlan()
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, v: str) -> str:
+        from .backends import FORMATS
+
+        if v not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -42,10 +62,6 @@ class Recipe(BaseModel):
         if v in (".", "..") or PurePath(v).name != v:
             raise ValueError("name must be a plain folder name")
         return v
-
-    @property
-    def asset_suffix(self) -> str:
-        return f".{self.format}"
 
     @property
     def shape_contract(self) -> Shape:

@@ -10,11 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bundle import check_output_path, output_lock, staged_dir, tree_files
+from .backends import backend
+from .bundle import atomic_write_bytes, check_output_path, output_lock, staged_dir
+from .digest import tree_files
 from .errors import ToolchainError, UsageError
+from .layout import SUMS_FILE
 from .recipe import Recipe
-
-SUMS = "SHA256SUMS"
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,14 @@ class ReleaseConfig:
 def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
     """Every recipe built and verified into one staged ``dist/``; AOT for the ``.aimodel`` ones."""
     from .aot import AotConfig, aot_compile, find_coreai_build
-    from .bundle import atomic_write_bytes
-    from .export import BuildConfig, build
+    from .build import BuildConfig, build
 
     dist = Path(cfg.dist)
     check_output_path(dist, cfg.overwrite)
     names = [r.name for r, _ in cfg.recipes]
     if not names or len(set(names)) != len(names):
         raise UsageError(f"release needs one or more recipes with distinct names, got {names}")
-    compilable = any(r.format == "aimodel" for r, _ in cfg.recipes)
+    compilable = any(backend(r.format).AOT for r, _ in cfg.recipes)
     do_aot = cfg.aot == "on"
     if do_aot and not compilable:
         raise UsageError("--aot on: coreai-build compiles .aimodel assets, and no recipe builds one")
@@ -59,11 +59,11 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
                                        verify_records=cfg.verify_records), log=log)
             if not result.record.get("verify", {}).get("ok"):
                 raise ToolchainError(f"{result.bundle}: the gate did not run; a release needs it")
-            if do_aot and recipe.format == "aimodel":
+            if do_aot and backend(recipe.format).AOT:
                 aot_compile(AotConfig(bundle=result.bundle), log=log)
             bundles.append(result.bundle.name)
         files = tree_files(tmp)
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(files.items()))
-        atomic_write_bytes(tmp / SUMS, lines.encode())
-    log(f"release in {dist}: {len(files)} files, {SUMS}")
+        atomic_write_bytes(tmp / SUMS_FILE, lines.encode())
+    log(f"release in {dist}: {len(files)} files, {SUMS_FILE}")
     return {"dist": str(dist), "files": sorted(files), "aot": do_aot, "bundles": bundles}

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import IntegrityError, UsageError
-from .pins import HEAD_FILES, Pins, sha256_file
+from .digest import sha256_file
+from .pins import HEAD_FILES, Pins
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from pathlib import Path
 from .author import AUTHOR_SHA256, build_head, read_verified
 from .bundle import atomic_write_json, check_output_path, output_lock, staged_dir
 from .contract import CONFIGS
-from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins, sha256_bytes
+from .digest import sha256_bytes, sha256_file
+from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
 
 SYNTH_HF_ID = "synthetic/clef-flash-head"
 
@@ -121,7 +122,6 @@ def _write_lm_head(folder: Path, vocab: int, hidden: int, seed: int) -> dict[str
     from safetensors.torch import save_file
 
     from .lm_head import INDEX_FILE, TENSOR
-    from .pins import sha256_file
 
     first, second = LM_HEAD_SHARDS
     save_file({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}, str(folder / first),

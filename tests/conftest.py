@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared" / "reference"
-PUBLISHED = SHARED / "clef_flash_head_bucket_fp16w32.metadata.json"
+# The published manifest of Cloudflare's own export, kept in the repository (manifests/published/README.md)
+PUBLISHED = ROOT / "manifests" / "published" / "clef_flash_head_bucket_fp16w32.metadata.json"
 TINY_RECIPE = ROOT / "conversion" / "head_bucket_fp16w32.toml"
 
 
@@ -51,7 +51,7 @@ def tiny_source_other(tmp_path_factory, author_code) -> Path:
 
 
 def build_bundle(source: Path, out: Path, recipe: Path = TINY_RECIPE, verify: bool = False, **kw) -> Path:
-    from clef_flash.export import BuildConfig, build
+    from clef_flash.build import BuildConfig, build
     from clef_flash.recipe import load_recipe
 
     r = load_recipe(recipe)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from clef_flash.bundle import tree_hash
+from clef_flash.digest import tree_hash
 from clef_flash.cli import app
 
 from .conftest import PUBLISHED

@@ -14,11 +14,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clef_flash import coreml
+from clef_flash import mlpackage
 from clef_flash.cli import app
 from clef_flash.errors import IntegrityError, NumericError
 from clef_flash.gate import VerifyConfig, verify_bundle
-from clef_flash.manifest import MlpackageManifest, load_manifest
+from clef_flash.backends import load_manifest
+from clef_flash.mlpackage import Manifest as MlpackageManifest
 
 from .conftest import ROOT, build_bundle
 
@@ -58,7 +59,7 @@ def test_manifest_names_the_format_and_keeps_the_head_shape(tiny_package, tiny_b
 
 
 def test_package_read_back_functions_inputs_outputs(tiny_package):
-    info = coreml.read_package(_asset(tiny_package))
+    info = mlpackage.read_package(_asset(tiny_package))
     assert [f.name for f in info.functions] == ["t512", "t1024", "t2048", "t4096"]
     assert info.default_function == "t512" and info.specification_version >= 9
     for fn in info.functions:
@@ -79,7 +80,7 @@ def test_weights_stored_fp16_once_for_all_functions(tiny_package, tiny_source):
     with safe_open(str(tiny_source / "joint_head.safetensors"), "pt") as f:
         params = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
                      else int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
-    info = coreml.read_package(_asset(tiny_package))
+    info = mlpackage.read_package(_asset(tiny_package))
     # fp16: 2 bytes a parameter, once for four functions (plus 64-byte blob headers); fp32 would be 4
     assert 2 * params <= info.weight_bytes < 2.3 * params
     shared = [b for b in info.blobs.values() if b.dtype == "FLOAT16"]
@@ -87,7 +88,7 @@ def test_weights_stored_fp16_once_for_all_functions(tiny_package, tiny_source):
 
 
 def test_fp16_pass_keeps_inexact_constants_fp32():
-    ct = coreml.import_coremltools()
+    ct = mlpackage.import_toolchain()
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
 
@@ -98,7 +99,7 @@ def test_fp16_pass_keeps_inexact_constants_fp32():
     def prog(x):
         return mb.add(x=mb.matmul(x=x, y=exact), y=inexact)
 
-    PASS_REGISTRY[coreml.register_fp16_pass()](prog)
+    PASS_REGISTRY[mlpackage.register_fp16_pass()](prog)
     ops = {op.op_type: op for op in prog.functions["main"].operations}
     assert "constexpr_cast" in ops and ops["constexpr_cast"].source_val.val.dtype == np.float16
     consts = [op.outputs[0].val for op in prog.functions["main"].operations if op.op_type == "const"]
@@ -111,21 +112,23 @@ def test_weight_check_fails_on_a_changed_author_weight(tiny_package, tiny_source
 
     _, config, head = load_head(tiny_source, load_pins(tiny_source / "pins.json"), torch.float32)
     params = {k: v.numpy() for k, v in head.state_dict().items()}
-    info = coreml.read_package(_asset(tiny_package))
-    assert all(ok for _, ok, _ in coreml.check_weights(info, "fp16w32", params))
-    name = next(k for k, v in params.items() if v.ndim == 2 and "in_proj" not in k)
+    info = mlpackage.read_package(_asset(tiny_package))
+    assert all(ok for _, ok, _ in mlpackage.check_weights(info, "fp16w32", params))
+    # a matrix large enough (>= 1024 values) that the stored copy is a large constant nobody owns
+    name = next(k for k, v in params.items() if v.ndim == 2 and "in_proj" not in k and v.size >= 1024)
     params[name] = params[name].copy()
     params[name].flat[0] += 0.5
-    rows = {n: (ok, d) for n, ok, d in coreml.check_weights(info, "fp16w32", params)}
+    rows = {n: (ok, d) for n, ok, d in mlpackage.check_weights(info, "fp16w32", params)}
     assert rows["every author weight stored"] == (False, f"missing: ['{name}']")
-    assert rows["no unknown large constants"][0] is False or params[name].size < 1024
+    ok, detail = rows["no unknown large constants"]
+    assert ok is False and detail.startswith("1: FLOAT16 "), detail
     # a wrong hidden size is seen in every function's inputs
-    bad = coreml.check_package(info, [("t512", 512)], config.hidden_size * 2, "fp16w32", params)
+    bad = mlpackage.check_package(info, [("t512", 512)], config.hidden_size * 2, "fp16w32", params)
     assert ("t512 inputs", False) in [(n, ok) for n, ok, _ in bad]
 
 
 def test_verify_exits_3_on_a_tampered_weight_byte(package_copy, tiny_source):
-    weight = _asset(package_copy) / coreml.WEIGHT_FILE
+    weight = _asset(package_copy) / mlpackage.WEIGHT_FILE
     data = bytearray(weight.read_bytes())
     data[len(data) // 2] ^= 0x01
     weight.write_bytes(bytes(data))
@@ -139,12 +142,12 @@ def test_verify_exits_3_on_a_tampered_weight_byte(package_copy, tiny_source):
 
 def test_verify_exits_4_when_a_stored_weight_differs_from_the_author(package_copy, tiny_source):
     """A weight changed and the manifest re-hashed to match: only the weight check can see it."""
-    from clef_flash.pins import sha256_file
+    from clef_flash.digest import sha256_file
 
     asset = _asset(package_copy)
-    info = coreml.read_package(asset)
+    info = mlpackage.read_package(asset)
     blob = max(info.blobs.values(), key=lambda b: int(np.prod(b.shape)))
-    weight = asset / coreml.WEIGHT_FILE
+    weight = asset / mlpackage.WEIGHT_FILE
     data = bytearray(weight.read_bytes())
     data[blob.offset + 64 + 2] ^= 0x04  # inside the blob's data, after its 64-byte header
     weight.write_bytes(bytes(data))
@@ -183,8 +186,8 @@ def _graph_predictor(source: Path, shift: float = 0.0):
 
 def test_macos_path_runs_every_function_against_the_author(monkeypatch, tiny_package, tiny_source):
     predictor, calls = _graph_predictor(tiny_source)
-    monkeypatch.setattr(coreml, "can_predict", lambda: True)
-    monkeypatch.setattr(coreml, "predictor", predictor)
+    monkeypatch.setattr(mlpackage, "cannot_run", lambda: None)
+    monkeypatch.setattr(mlpackage, "predictor", predictor)
     cfg = VerifyConfig(bundle=tiny_package, source=tiny_source, pins_path=tiny_source / "pins.json", records=2)
     report = verify_bundle(cfg)
     assert report.ok, report.failures
@@ -195,8 +198,8 @@ def test_macos_path_runs_every_function_against_the_author(monkeypatch, tiny_pac
 
 def test_macos_path_fails_on_a_wrong_logit(monkeypatch, tiny_package, tiny_source):
     predictor, _ = _graph_predictor(tiny_source, shift=1e-2)
-    monkeypatch.setattr(coreml, "can_predict", lambda: True)
-    monkeypatch.setattr(coreml, "predictor", predictor)
+    monkeypatch.setattr(mlpackage, "cannot_run", lambda: None)
+    monkeypatch.setattr(mlpackage, "predictor", predictor)
     cfg = VerifyConfig(bundle=tiny_package, source=tiny_source, pins_path=tiny_source / "pins.json", records=1)
     report = verify_bundle(cfg)
     assert not report.ok and any("max |d logit|" in f for f in report.failures)
@@ -205,7 +208,7 @@ def test_macos_path_fails_on_a_wrong_logit(monkeypatch, tiny_package, tiny_sourc
 
 
 def test_inspect_reads_the_spec_and_leaves_the_package_untouched(tiny_package):
-    from clef_flash.bundle import tree_hash
+    from clef_flash.digest import tree_hash
 
     before = tree_hash(tiny_package)
     r = CliRunner().invoke(app, ["inspect", str(tiny_package), "--json"])
@@ -231,15 +234,22 @@ def test_cli_refuses_what_does_not_apply_to_a_package(tmp_path, tiny_package, ti
 
 
 def test_second_build_is_byte_identical(tmp_path, tiny_package, tiny_source):
-    from clef_flash.bundle import tree_files
+    """Built again in a process of its own with an unlimited stack, through another interpreter
+    path, from another working directory: every file of the package is the same."""
+    import resource
 
-    again = build_bundle(tiny_source, tmp_path, recipe=RECIPE, verify=False)
+    from clef_flash.digest import tree_files
+
+    from .test_repro import cli_build, other_interpreter
+
+    again = cli_build(other_interpreter(tmp_path), tiny_source, tmp_path / "again", tmp_path, {"PYTHONHASHSEED": "7"},
+                      resource.RLIM_INFINITY, recipe=RECIPE, name=tiny_package.name)
     ours = {k: v for k, v in tree_files(tiny_package).items() if k not in ("build-record.json", "metadata.json")}
     theirs = {k: v for k, v in tree_files(again).items() if k not in ("build-record.json", "metadata.json")}
     assert ours == theirs and any(k.endswith("weight.bin") for k in ours)
 
 
 def test_missing_model_file_is_an_integrity_error(package_copy):
-    (_asset(package_copy) / coreml.MODEL_FILE).unlink()
+    (_asset(package_copy) / mlpackage.MODEL_FILE).unlink()
     with pytest.raises(IntegrityError, match="model.mlmodel: missing"):
-        coreml.read_package(_asset(package_copy))
+        mlpackage.read_package(_asset(package_copy))

@@ -70,7 +70,7 @@ def test_fetch_local_dir(tmp_path, hub, tiny_source):
         ("404-revision", "revision not found on the Hub"),
         ("500", "download failed"),
         ("corrupt", "sha256 mismatch after download"),
-        ("reset", ""),
+        ("reset", "download failed"),
     ],
 )
 def test_fetch_faults_are_integrity_errors(tmp_path, hub, tiny_source, fault, message):

@@ -8,7 +8,7 @@ import torch
 
 from clef_flash.author import HeadConfig, build_head
 from clef_flash.contract import BUCKETS, TINY_CONFIG
-from clef_flash.gate import author_logits, random_records
+from clef_flash.records import author_logits, random_records
 from clef_flash.graph import ClefHeadGraph, cast_weights
 from clef_flash.host import Question, head_inputs
 from clef_flash.synth import synth_state
@@ -29,14 +29,18 @@ def run_graph(graph, arrays) -> np.ndarray:
         return graph(*[torch.from_numpy(arrays[k]) for k in graph.input_names]).numpy()
 
 
+def edge_lengths(bucket: int, lower: int) -> list[int]:
+    """T one above the lower boundary, one below and at the upper one."""
+    return [lower + 1, bucket - 1, bucket]
+
+
 def records_around(bucket: int, lower: int, n: int, seed: int):
-    """n records for one bucket: T one below / at / one above each boundary, the rest random."""
+    """n seeded records for one bucket, then one record at each of its edge lengths."""
     recs = random_records(n, bucket, lower, TINY_CONFIG["hidden_size"], VOCAB, seed)
+    for length in edge_lengths(bucket, lower):
+        # the third seeded record of a one-length range has exactly T = length, random questions
+        recs.append(random_records(3, length, length - 1, TINY_CONFIG["hidden_size"], VOCAB, seed=length)[2])
     return recs
-
-
-def edge_lengths(bucket: int) -> list[int]:
-    return [bucket - 1, bucket]
 
 
 @pytest.mark.parametrize("bucket", BUCKETS)
@@ -45,9 +49,7 @@ def test_graph_matches_author_exact_and_padded(tiny, bucket):
     lower = max([b for b in BUCKETS if b < bucket], default=0)
     table = np.random.default_rng(bucket).standard_normal((VOCAB, TINY_CONFIG["hidden_size"]), dtype=np.float32)
     records = records_around(bucket, lower, 50, seed=11)
-    # T one below and at the upper boundary, one above the lower boundary
-    for length in (bucket - 1, bucket, lower + 1):
-        records.append(random_records(3, length, length - 1, TINY_CONFIG["hidden_size"], VOCAB, seed=length)[2])
+    assert set(edge_lengths(bucket, lower)) <= {len(r.ids) for r in records}
     types_seen, worst_exact, worst_padded, n_q, n_o = set(), 0.0, 0.0, set(), set()
     for rec in records:
         ref = np.concatenate(author_logits(module, head, rec, torch.from_numpy(table)))
@@ -67,7 +69,7 @@ def test_graph_matches_author_exact_and_padded(tiny, bucket):
         n_o.add(n_opts)
     assert worst_exact <= BAR and worst_padded <= BAR, (worst_exact, worst_padded)
     assert types_seen == {0, 1, 2} and {1, 16} <= n_q and {2, 128} <= n_o
-    assert len(records) >= 50
+    assert len(records) == 53
 
 
 def test_blockwise_attention_is_the_same_softmax(tiny):
@@ -141,12 +143,12 @@ def test_core_forms_are_bit_identical_to_the_functional_ones():
 def test_exported_graph_needs_no_decomposition(tiny, buckets):
     """coreai-torch takes the traced program as it is; a functional op slipping in would bring the
     slow ``run_decompositions`` pass back, and this check sees it."""
-    from clef_flash.export import needs_decomposition, trace_program
+    from clef_flash.aimodel import needs_decomposition, trace_program
 
     coreai_torch = pytest.importorskip("coreai_torch")
     _, head, _ = tiny
     graph = ClefHeadGraph(cast_weights(head, "fp16w32")).eval()
-    ep = trace_program(graph, buckets, TINY_CONFIG["hidden_size"], 16, 128, coreai_torch)
+    ep = trace_program(graph, buckets, TINY_CONFIG["hidden_size"], 16, 128)
     assert not needs_decomposition(ep)
     assert not [str(n.target) for n in ep.graph.nodes if str(n.target).startswith(("aten.linear", "aten.matmul"))]
 

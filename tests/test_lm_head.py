@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from clef_flash.cli import app
 from clef_flash.lm_head import INDEX_FILE, open_table
-from clef_flash.pins import sha256_file
+from clef_flash.digest import sha256_file
 
 runner = CliRunner()
 SHARD = "model-00002-of-00002.safetensors"
@@ -84,7 +84,7 @@ def test_table_lexical_asset_closes_the_loop(tmp_path, tiny_source, tiny_bundle,
     from coreai.runtime import NDArray
 
     from clef_flash.author import load_head
-    from clef_flash.gate import author_logits, random_records
+    from clef_flash.records import author_logits, random_records
     from clef_flash.host import head_inputs, question_probs
     from clef_flash.pins import load_pins
 

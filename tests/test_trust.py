@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -12,9 +14,10 @@ import pytest
 import torch
 
 from clef_flash.author import AUTHOR_SHA256, build_head, load_author_module, load_config, load_head, load_state
-from clef_flash.bundle import output_lock, staged_dir, sweep_stale, tree_hash
+from clef_flash.bundle import output_lock, staged_dir, sweep_stale
+from clef_flash.digest import sha256_file, tree_hash
 from clef_flash.errors import IntegrityError, UsageError
-from clef_flash.pins import load_pins, sha256_file
+from clef_flash.pins import load_pins
 from clef_flash.source import check_source, require_verified
 
 
@@ -167,26 +170,37 @@ def test_stale_temp_from_killed_run_is_swept(tmp_path):
     assert sweep_stale(final) == [] and live.exists()  # a live run's folder is left alone
 
 
-def test_concurrent_writer_gets_clear_error(tmp_path):
-    final = tmp_path / "bundle"
+def test_concurrent_writer_gets_clear_error(tmp_path, tiny_source):
+    """While one writer holds an output, a second writer, in this process or a `clef-export build`
+    of its own, is refused at once with exit 2; once the first is done, the output is free."""
+    final = tmp_path / "clef_flash_head_bucket_fp16w32"
     entered, release = threading.Event(), threading.Event()
-    errors: list[Exception] = []
+    errors: list[BaseException] = []
 
     def first():
-        with output_lock(final):
+        try:
+            with output_lock(final):
+                entered.set()
+                release.wait(60)
+        except BaseException as exc:  # the first writer must get the lock: anything else fails the test
+            errors.append(exc)
             entered.set()
-            release.wait(5)
 
     t = threading.Thread(target=first)
     t.start()
-    entered.wait(5)
     try:
+        assert entered.wait(10) and not errors, errors
         with pytest.raises(UsageError, match="another build is writing"):
             with output_lock(final):
                 pass
+        exe = Path(sys.executable).parent / "clef-export"
+        r = subprocess.run([str(exe), "build", "--source", str(tiny_source), "--pins", str(tiny_source / "pins.json"),
+                            "--out", str(tmp_path), "--no-verify"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and "another build is writing this output" in r.stderr, r.stderr[-1000:]
+        assert not final.exists()
     finally:
         release.set()
         t.join()
+    assert not errors, errors
     with output_lock(final):
         pass
-    assert not errors

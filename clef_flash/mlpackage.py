@@ -1,9 +1,12 @@
-"""Core ML package (recipe ``format = "mlpackage"``): the same head for Macs without Core AI.
+"""Backend ``mlpackage``: the Core ML package, the same head for Macs without Core AI (macOS 15+).
 
 ClefHeadGraph -> ``torch.export`` per bucket (static T) -> coremltools (macOS 15 opset, fp32 math)
 -> the ``clef::fp16_storage`` pass (every fp32 constant that fp16 holds exactly is stored fp16 behind
 a ``constexpr_cast``) -> one package per bucket -> ``save_multifunction`` (weights shared by all
-functions, stored once) -> one ``.mlpackage`` with functions ``t512`` … ``t4096``.
+functions, stored once) -> one ``.mlpackage`` with functions ``t512`` … ``t4096`` -> the spec
+serialised deterministically, name-based item identifiers in ``Manifest.json``.
+
+The same functions as every backend (``backends.Backend``).
 
 coremltools cannot run Core ML predictions on Linux. What can be checked here is read back from
 the saved package (``read_package`` / ``check_package``): functions, input and output names,
@@ -24,13 +27,22 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import numpy as np
 
-from . import contract
-from .errors import IntegrityError, ToolchainError
+from pydantic import Field
 
+from . import contract
+from .digest import tree_bytes
+from .errors import IntegrityError, ToolchainError
+from .manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file
+
+FORMAT = "mlpackage"
+SUFFIX = ".mlpackage"
+RECIPE = "head_bucket_fp16w32_mlpackage.toml"  # in conversion/: what `build --format mlpackage` builds
+SCHEMA_FILE = "metadata-mlpackage.schema.json"
+AOT = False  # coreai-build compiles .aimodel assets only
 DEPLOYMENT_TARGET = "macOS15"  # the first release with multi-function models (spec 9, opset CoreML8)
 OPSET = "CoreML8"
 FP16_MIN_ELEMENTS = 16  # smaller constants (scalars, shapes) stay as they are: no storage to save
@@ -42,8 +54,90 @@ PREDICTIONS_NOTE = ("coremltools cannot run Core ML predictions on Linux: there 
 _ARRAY_DTYPES = {"FLOAT32": "f32", "INT32": "i32", "FLOAT16": "f16", "DOUBLE": "f64"}
 
 
-def import_coremltools():
-    """coremltools, quietly (it warns about untested torch versions and missing macOS libraries)."""
+# ---------------------------------------------------------------- manifest
+
+
+class Export(Strict):
+    """The ``export`` section of a Core ML package manifest."""
+
+    mlpackage_bytes: int = Field(ge=0)
+    model: FileDigest  # Data/com.apple.CoreML/model.mlmodel
+    weight_bin: FileDigest  # Data/com.apple.CoreML/weights/weight.bin
+    weight_storage: Literal["fp16", "fp32"]
+    compute_precision: Literal["fp32"]
+    minimum_deployment_target: str
+    coremltools: str
+    seconds: Seconds
+    predictions: str
+
+
+class Manifest(Strict):
+    """``metadata.json`` of a Core ML package bundle: the same ``decision-head`` shape, naming its
+    format (the published ``.aimodel`` manifest has no ``format`` key and stays key for key)."""
+
+    metadata_version: str
+    kind: str
+    format: Literal["mlpackage"]
+    name: str
+    assets: dict[str, str]
+    head: Head
+    export: Export
+    aot: Aot | None
+    compilation: Compilation
+
+
+def manifest(common: dict[str, Any], recipe, asset_dir: Path, outputs: dict[str, str], seconds: Seconds) -> Manifest:
+    from .provenance import tool_versions
+
+    def part(rel: str) -> FileDigest:
+        return FileDigest(bytes=(asset_dir / rel).stat().st_size, sha256=outputs[f"{asset_dir.name}/{rel}"])
+
+    return Manifest(
+        **common,
+        format=FORMAT,
+        export=Export(
+            mlpackage_bytes=tree_bytes(asset_dir),
+            model=part(MODEL_FILE),
+            weight_bin=part(WEIGHT_FILE),
+            weight_storage="fp16" if recipe.weights == "fp16w32" else "fp32",
+            compute_precision="fp32",
+            minimum_deployment_target=DEPLOYMENT_TARGET,
+            coremltools=tool_versions()["coremltools"],
+            seconds=seconds,
+            predictions=PREDICTIONS_NOTE,
+        ),
+    )
+
+
+def record_parameters() -> dict[str, Any]:
+    return {"package_item_ids": "uuid5 of each item's path", "spec_serialisation": "deterministic"}
+
+
+def asset_digest(m: Manifest) -> str:
+    """weight.bin's digest names the package (the spec is small and derived)."""
+    return m.export.weight_bin.sha256
+
+
+def sizes(m: Manifest) -> dict[str, int]:
+    return {"asset_bytes": m.export.mlpackage_bytes, "weight_bin_bytes": m.export.weight_bin.bytes}
+
+
+def summary(m: Manifest) -> str:
+    return f"weight.bin {m.export.weight_bin.bytes:,} bytes ({m.export.weight_storage})"
+
+
+def check_files(m: Manifest, asset: Path) -> list[tuple[str, bool, str]]:
+    checks = []
+    for rel, want in ((MODEL_FILE, m.export.model), (WEIGHT_FILE, m.export.weight_bin)):
+        digest = check_file(asset / rel, want)
+        checks.append((f"{Path(rel).name} sha256 = manifest", True, digest[:16]))
+    return checks
+
+
+def import_toolchain():
+    """coremltools, quietly (it warns about untested torch versions and missing macOS libraries;
+    its progress bars would flood the build's log)."""
+    os.environ["TQDM_DISABLE"] = "1"
     try:
         with warnings.catch_warnings(), open(os.devnull, "w") as sink, contextlib.redirect_stderr(sink):
             warnings.simplefilter("ignore")
@@ -63,7 +157,7 @@ def register_fp16_pass() -> str:
     would store 4 bytes per parameter. Constants whose every value round-trips through fp16 go back
     to fp16 storage behind ``constexpr_cast`` (fp16 -> fp32 at load time): the math stays fp32 and
     no value changes, by construction."""
-    import_coremltools()
+    import_toolchain()
     from coremltools.converters.mil import Builder as mb
     from coremltools.converters.mil.mil.passes.graph_pass import AbstractGraphPass
     from coremltools.converters.mil.mil.passes.helper import block_context_manager
@@ -107,18 +201,14 @@ def _pipeline(ct, weights: str):
 
 def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int, weights: str, out: Path) -> None:
     """One static-T trace of ``graph`` converted and saved as a one-function package ``out``."""
-    import torch
+    from .tracing import export_graph
 
-    from .export import example_inputs, no_stack_traces
-
-    ct = import_coremltools()
-    args = example_inputs(bucket, hidden_size, q_pad, o_pad)
+    ct = import_toolchain()
+    ep = export_graph(graph, (bucket,), hidden_size, q_pad, o_pad)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with no_stack_traces():
-            # coremltools takes the ATen dialect; the graph is in core ATen already: nothing to decompose
-            ep = torch.export.export(graph, args, strict=False).run_decompositions({})
-        ep.example_inputs = None
+        # coremltools takes the ATen dialect; the graph is in core ATen already: nothing to decompose
+        ep = ep.run_decompositions({})
         model = ct.convert(
             ep,
             convert_to="mlprogram",
@@ -131,38 +221,49 @@ def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int,
         model.save(str(out))
 
 
-def export_mlpackage(graph, recipe, hidden_size: int, package: Path, description: dict[str, str],
-                     log: Callable[[str], None] = lambda msg: None) -> tuple[float, float]:
-    """The recipe's buckets as one multi-function ``.mlpackage`` at ``package`` (a fresh path);
-    returns the seconds spent tracing and converting, and saving."""
+@dataclass
+class Parts:
+    """Converted one-function packages waiting to be joined (``save``), in a scratch folder beside
+    the package (the same file system, inside the staged bundle)."""
+
+    folder: Path
+    functions: list[tuple[str, Path]]
+    default: str
+
+
+def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str], None] = lambda msg: None) -> Parts:
+    """Each bucket traced and converted on its own (static T) into a one-function package."""
     import gc
-    import time
 
-    t0 = time.perf_counter()
+    import_toolchain()
+    parts = Parts(folder=asset_dir.parent / f".{asset_dir.name}.parts", functions=[],
+                  default=contract.function_name(recipe.buckets[0]))
+    parts.folder.mkdir()
+    for bucket in recipe.buckets:
+        name = contract.function_name(bucket)
+        log(f"tracing and converting {name} (coremltools)")
+        part = parts.folder / f"{name}.mlpackage"
+        convert_bucket(graph, bucket, hidden_size, recipe.q_pad, recipe.o_pad, recipe.weights, part)
+        gc.collect()
+        parts.functions.append((name, part))
+    return parts
 
-    ct = import_coremltools()
-    parts = package.parent / f".{package.name}.parts"
-    parts.mkdir()
+
+def save(parts: Parts, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None) -> None:
+    """The parts joined into one multi-function package (weights shared, stored once), finalised."""
+    ct = import_toolchain()
     try:
         desc = ct.utils.MultiFunctionDescriptor()
-        for bucket in recipe.buckets:
-            name = contract.function_name(bucket)
-            log(f"tracing and converting {name} (coremltools)")
-            part = parts / f"{name}.mlpackage"
-            convert_bucket(graph, bucket, hidden_size, recipe.q_pad, recipe.o_pad, recipe.weights, part)
-            gc.collect()
+        for name, part in parts.functions:
             desc.add_function(str(part), src_function_name="main", target_function_name=name)
-        desc.default_function_name = contract.function_name(recipe.buckets[0])
-        t_export = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        log(f"joining {len(recipe.buckets)} functions into {package.name}")
+        desc.default_function_name = parts.default
+        log(f"joining {len(parts.functions)} functions into {asset_dir.name}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ct.utils.save_multifunction(desc, str(package))
+            ct.utils.save_multifunction(desc, str(asset_dir))
     finally:
-        shutil.rmtree(parts, ignore_errors=True)
-    finalize_package(package, description)
-    return t_export, time.perf_counter() - t0
+        shutil.rmtree(parts.folder, ignore_errors=True)
+    finalize_package(asset_dir, description)
 
 
 def finalize_package(package: Path, description: dict[str, str]) -> None:
@@ -194,7 +295,7 @@ def finalize_package(package: Path, description: dict[str, str]) -> None:
 def load_spec(package: Path):
     """The package's spec, parsed straight from its file: opening a package through coremltools'
     ``ModelPackage`` rewrites ``Manifest.json``, and a check must not touch what it checks."""
-    import_coremltools()
+    import_toolchain()
     from coremltools.proto import Model_pb2
 
     path = Path(package) / MODEL_FILE
@@ -391,16 +492,23 @@ def check_weights(info: PackageInfo, weights: str, params: dict[str, np.ndarray]
     ]
 
 
-# ---------------------------------------------------------------- predictions (macOS)
+# ---------------------------------------------------------------- read back, run, describe
 
 
-def can_predict() -> bool:
-    return sys.platform == "darwin"
+def read_back(asset: Path, m: Manifest, hidden_size: int, params: dict[str, np.ndarray]) -> list[tuple[str, bool, str]]:
+    """What a Core ML host will see, from the saved spec: functions, inputs, outputs, fp32 math,
+    and every stored weight against the author's."""
+    return check_package(read_package(asset), m.head.buckets, hidden_size, m.head.weights, params)
+
+
+def cannot_run() -> str | None:
+    """Why outputs cannot be compared here (Core ML predictions need macOS), or None."""
+    return None if sys.platform == "darwin" else PREDICTIONS_NOTE
 
 
 def predictor(package: Path, function: str) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
     """A function of the package, run by Core ML (macOS only)."""
-    ct = import_coremltools()
+    ct = import_toolchain()
     model = ct.models.MLModel(str(package), function_name=function, compute_units=ct.ComputeUnit.CPU_ONLY)
 
     def run(arrays: dict[str, np.ndarray]) -> np.ndarray:
@@ -410,8 +518,20 @@ def predictor(package: Path, function: str) -> Callable[[dict[str, np.ndarray]],
     return run
 
 
-def describe(info: PackageInfo) -> list[dict[str, Any]]:
+@contextlib.asynccontextmanager
+async def runner(asset: Path, names: list[str]):
+    """``call(function, arrays) -> logits`` through Core ML (macOS; one call at a time)."""
+    fns = {name: predictor(asset, name) for name in names}
+
+    async def call(name: str, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        return np.array(fns[name](arrays), dtype=np.float32, copy=True)
+
+    yield call
+
+
+def describe(asset: Path) -> list[dict[str, Any]]:
+    """Functions, inputs and outputs from the saved spec (no Core ML runtime on Linux)."""
     return [{"name": f.name,
              "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in f.inputs],
              "outputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in f.outputs]}
-            for f in info.functions]
+            for f in read_package(asset).functions]

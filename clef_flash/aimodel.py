@@ -1,0 +1,311 @@
+"""Backend ``aimodel``: the Core AI asset (macOS 27), the published format.
+
+ClefHeadGraph -> ``torch.export`` per trace group (one dynamic-T trace for the single-block
+buckets, one static trace for t4096) -> one coreai-torch converter, one entrypoint per group ->
+``to_coreai`` (optimized) -> the dynamic function specialised per bucket -> debug locations
+stripped -> ``save_asset`` -> every weight blob renamed after its own bytes (``mlirb``) ->
+``main.hash`` rewritten. The bytes are the same on any machine with the same tool versions.
+
+The same functions as every backend (``backends.Backend``): import the toolchain, convert and
+save, the manifest's ``export`` section, the bundle's files against the manifest, read-back
+checks, a runner for ``verify`` (the Core AI runtime, which runs on Linux CPUs), ``describe``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from pydantic import Field
+
+from . import contract
+from .digest import sha256_file, tree_bytes
+from .errors import IntegrityError, ToolchainError
+from .manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file
+
+FORMAT = "aimodel"
+SUFFIX = ".aimodel"
+RECIPE = "head_bucket_fp16w32.toml"  # in conversion/: what `build --format aimodel` builds
+SCHEMA_FILE = "metadata.schema.json"
+AOT = True  # `xcrun coreai-build compile` takes this format
+NAMING_SEED = 0x0C1EF  # coreai's composite-graph suffixes, drawn from this seed: reproducible bytes
+DYNAMIC_ENTRY = "tdyn"
+MLIRB, HASH = "main.mlirb", "main.hash"
+
+
+# ---------------------------------------------------------------- manifest
+
+
+class ExportAttempt(Strict):
+    externalize: str
+    ok: bool
+    seconds: float
+
+
+class Export(Strict):
+    aimodel_bytes: int = Field(ge=0)
+    main_mlirb: FileDigest
+    seconds: Seconds
+    export_attempts: list[ExportAttempt]
+
+
+class Manifest(Strict):
+    """``metadata.json`` of a Core AI bundle: the published manifest, key for key."""
+
+    metadata_version: str
+    kind: str
+    name: str
+    assets: dict[str, str]
+    head: Head
+    export: Export
+    aot: Aot | None
+    compilation: Compilation
+
+
+def manifest(common: dict[str, Any], recipe, asset_dir: Path, outputs: dict[str, str], seconds: Seconds) -> Manifest:
+    """The published manifest's shape; ``outputs`` are the digests already taken (relative to the
+    bundle), so nothing is hashed twice."""
+    mlirb = asset_dir / MLIRB
+    return Manifest(
+        **common,
+        export=Export(
+            aimodel_bytes=tree_bytes(asset_dir),
+            main_mlirb=FileDigest(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/{MLIRB}"]),
+            seconds=seconds,
+            export_attempts=[ExportAttempt(externalize="no externalize specs", ok=True, seconds=seconds.export)],
+        ),
+    )
+
+
+def record_parameters() -> dict[str, Any]:
+    """What the build record says about how this backend made its bytes reproducible."""
+    return {"naming_seed": NAMING_SEED, "resource_names": "w_<sha256 of the blob's bytes, 20 hex>"}
+
+
+def asset_digest(m: Manifest) -> str:
+    return m.export.main_mlirb.sha256
+
+
+def sizes(m: Manifest) -> dict[str, int]:
+    return {"asset_bytes": m.export.aimodel_bytes, "main_mlirb_bytes": m.export.main_mlirb.bytes}
+
+
+def summary(m: Manifest) -> str:
+    return f"main.mlirb {m.export.main_mlirb.bytes:,} bytes"
+
+
+def check_files(m: Manifest, asset: Path) -> list[tuple[str, bool, str]]:
+    """``main.mlirb`` against the manifest and ``main.hash``; raises ``IntegrityError`` naming the
+    first broken file."""
+    digest = check_file(asset / MLIRB, m.export.main_mlirb)
+    hash_file = asset / HASH
+    try:
+        stored = hash_file.read_bytes()
+    except FileNotFoundError:
+        raise IntegrityError(f"{hash_file}: missing") from None
+    if stored.hex() != digest:
+        raise IntegrityError(f"{hash_file}: does not hold the sha256 of main.mlirb")
+    return [("main.mlirb sha256 = manifest", True, digest[:16]), ("main.hash = sha256(main.mlirb)", True, "ok")]
+
+
+# ---------------------------------------------------------------- export
+
+
+def import_toolchain():
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import coreai_torch
+            from coreai_torch import TorchConverter  # noqa: F401
+    except ImportError as exc:
+        raise ToolchainError(f"coreai-torch / coreai-core are required to export ({exc.name} missing)") from None
+    return coreai_torch
+
+
+@contextlib.contextmanager
+def deterministic_naming(seed: int = NAMING_SEED):
+    """coreai names composite graphs with suffixes drawn from ``secrets``; draw them from a seed."""
+    import coreai.authoring.graph_builder as gb
+
+    rng = random.Random(seed)
+    saved = gb.choice
+    gb.choice = rng.choice
+    try:
+        yield
+    finally:
+        gb.choice = saved
+
+
+def needs_decomposition(ep) -> bool:
+    """Whether coreai-torch would refuse ``ep`` as it is (an op it neither lowers nor keeps).
+
+    ``run_decompositions`` re-traces the whole program and is over half of a trace's time; a graph
+    already in the ops coreai lowers skips it. The check is coreai-torch's own validator (private,
+    pinned with coreai-torch 0.4.3)."""
+    from coreai_torch._validate import validate_exported_program
+
+    try:
+        validate_exported_program(ep, {})
+    except ValueError:
+        return True
+    return False
+
+
+def trace_program(graph, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int):
+    """``torch.export`` (static T, or dynamic T over ``buckets``), decomposed only if coreai needs it."""
+    from .tracing import export_graph
+
+    ep = export_graph(graph, buckets, hidden_size, q_pad, o_pad)
+    if needs_decomposition(ep):  # ClefHeadGraph is written in ops coreai lowers directly: never, so far
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = ep.run_decompositions(import_toolchain().get_decomp_table())
+    return ep
+
+
+def _specialise(program, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int) -> None:
+    """One static function per bucket from the dynamic-T graph, named like the rest (t512 …)."""
+    from coreai._compiler.ir import StringAttr
+    from coreai.authoring.graph_builder import GraphOp
+
+    from .tracing import T_AXES
+
+    config = {}
+    for b in buckets:
+        shapes = contract.input_shapes(b, hidden_size, q_pad, o_pad)
+        config[f"b{b}"] = {n: shapes[n] for n in T_AXES}
+    program.set_static_shape_config(DYNAMIC_ENTRY, config)  # -> graphs tdyn_b512, tdyn_b1024, …
+    prefix = f"{DYNAMIC_ENTRY}_b"
+    # coreai names the clones <entrypoint>_<key>; the manifest's names are t<T> (private IR access,
+    # pinned to coreai-core 1.0.0b3)
+    with program._module:  # noqa: SLF001
+        for op in program._module._body.region.blocks[0].operations:  # noqa: SLF001
+            if isinstance(op, GraphOp) and op.sym_name.value.startswith(prefix):
+                op.attributes["sym_name"] = StringAttr.get(contract.function_name(int(op.sym_name.value[len(prefix):])))
+
+
+def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str], None] = lambda msg: None):
+    """One converter, one entrypoint per trace group: the optimized multi-function program with one
+    function per bucket. Not under ``inference_mode``: torch.export traces twice as fast without it."""
+    from coreai_torch import TorchConverter
+    from coreai_torch.debugging.debug_info import strip_debug_info
+
+    from .tracing import trace_groups
+
+    import_toolchain()
+    converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
+    dynamic: tuple[int, ...] = ()
+    for kind, buckets in trace_groups(recipe.buckets):
+        names = ", ".join(contract.function_name(b) for b in buckets)
+        log(f"tracing {names}" + (" (one trace, dynamic T)" if kind == "dynamic" else ""))
+        ep = trace_program(graph, buckets, hidden_size, recipe.q_pad, recipe.o_pad)
+        entry = DYNAMIC_ENTRY if kind == "dynamic" else contract.function_name(buckets[0])
+        dynamic = buckets if kind == "dynamic" else dynamic
+        converter.add_exported_program(ep, input_names=list(contract.INPUT_ORDER),
+                                       output_names=list(contract.OUTPUT_NAMES), entrypoint_name=entry)
+    log("converting")
+    with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        program = converter.to_coreai()
+        if dynamic:
+            _specialise(program, dynamic, hidden_size, recipe.q_pad, recipe.o_pad)
+    strip_debug_info(program)  # source locations would embed this machine's paths
+    return program
+
+
+def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None) -> None:
+    """``save_asset``, then the same bytes from the same content on any machine: weight blobs named
+    after their bytes (the compiler keys them by a per-process hash), ``main.hash`` to match, the
+    asset's metadata in a fixed key order with ``SOURCE_DATE_EPOCH`` as its creation date."""
+    from coreai.runtime import AIModelAssetMetadata
+
+    from .bundle import atomic_write_bytes, dumps_json
+    from .mlirb import stable_resource_names
+    from .provenance import source_date_epoch
+
+    meta = AIModelAssetMetadata()
+    meta.author = description["author"]
+    meta.license = description["license"]
+    meta.model_description = description["description"]
+    asset = program.save_asset(asset_dir, metadata=meta)
+    epoch = source_date_epoch()
+    if epoch is not None:
+        asset.update_metadata(lambda m: setattr(m, "creation_date", float(epoch)))
+    t0 = time.perf_counter()
+    renamed = stable_resource_names(asset_dir / MLIRB)
+    log(f"{renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s")
+    atomic_write_bytes(asset_dir / HASH, bytes.fromhex(sha256_file(asset_dir / MLIRB)))
+    # the runtime writes its keys in hash-map order; the same content in a fixed order
+    meta_path = asset_dir / "metadata.json"
+    atomic_write_bytes(meta_path, dumps_json(json.loads(meta_path.read_text(encoding="utf-8")), sort_keys=True))
+
+
+# ---------------------------------------------------------------- read back, run, describe
+
+
+def read_back(asset: Path, m: Manifest, hidden_size: int, params: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """Nothing beyond the files: the Core AI runtime runs the asset, which is the stronger check."""
+    return []
+
+
+def cannot_run() -> str | None:
+    """Why outputs cannot be compared on this machine, or None: the Core AI runtime runs here."""
+    return None
+
+
+@contextlib.asynccontextmanager
+async def runner(asset: Path, names: list[str]):
+    """``call(function, arrays) -> logits`` through the Core AI runtime. All calls of all functions
+    go through one bounded queue: the CPU runtime runs a call on about one core."""
+    import asyncio
+
+    import numpy as np
+    from coreai.authoring.asset import AIModelAsset
+    from coreai.runtime import NDArray
+
+    slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
+    async with AIModelAsset.load(asset).executable() as model:
+        fns = {}
+        for name in names:
+            fn = model.load_function(name)
+            if fn is None:
+                raise IntegrityError(f"{asset}: function {name} not found")
+            fns[name] = fn
+
+        async def call(name: str, arrays: dict[str, Any]) -> Any:
+            async with slots:
+                out = await fns[name]({k: NDArray(np.ascontiguousarray(v)) for k, v in arrays.items()})
+                return np.array(out["logits"].numpy(), dtype=np.float32, copy=True)
+
+        yield call
+
+
+async def _describe(asset: Path) -> list[dict[str, Any]]:
+    from coreai.authoring.asset import AIModelAsset
+
+    out = []
+    async with AIModelAsset.load(asset).executable() as model:
+        for name in model.function_names:
+            d = model.load_function(name).desc
+            out.append({
+                "name": name,
+                "inputs": [{"name": n, "shape": list(d.input_descriptor(n).shape), "dtype": str(d.input_descriptor(n).dtype)}
+                           for n in d.input_names],
+                "outputs": [{"name": n, "shape": list(d.output_descriptor(n).shape), "dtype": str(d.output_descriptor(n).dtype)}
+                            for n in d.output_names],
+            })
+    return out
+
+
+def describe(asset: Path) -> list[dict[str, Any]]:
+    """Functions, inputs and outputs as the Core AI runtime reports them."""
+    import asyncio
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return asyncio.run(_describe(Path(asset)))

@@ -1,0 +1,40 @@
+"""Streaming sha256 of files, bytes and folder trees, and a tree's size (a leaf: hashlib only)."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def sha256_file(path: Path) -> str:
+    """Streaming sha256 of a file (hashlib's file_digest: large reads, no Python loop)."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tree_files(root: Path) -> dict[str, str]:
+    """Every regular file under ``root`` (relative POSIX path -> sha256), sorted; a symlink is
+    listed as ``symlink`` and never followed."""
+    root = Path(root)
+    out: dict[str, str] = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_symlink():
+            out[p.relative_to(root).as_posix()] = "symlink"
+        elif p.is_file():
+            out[p.relative_to(root).as_posix()] = sha256_file(p)
+    return out
+
+
+def tree_hash(root: Path) -> str:
+    """One sha256 over a tree's file names and digests."""
+    lines = "".join(f"{k}\0{v}\n" for k, v in tree_files(root).items())
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def tree_bytes(root: Path) -> int:
+    """The bytes of every regular file under ``root``."""
+    return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())

@@ -1,0 +1,11 @@
+"""File names that several stages write or read: one place, no imports.
+
+A bundle folder holds ``<name><suffix>`` (the asset), ``metadata.json`` (the manifest) and
+``build-record.json`` (provenance); a release folder adds ``SHA256SUMS``.
+"""
+
+from __future__ import annotations
+
+MANIFEST_FILE = "metadata.json"
+RECORD_FILE = "build-record.json"
+SUMS_FILE = "SHA256SUMS"

@@ -1,0 +1,254 @@
+"""Stable resource names in an MLIR bytecode file (``main.mlirb``).
+
+The Core AI compiler keys every weight blob ``resource_<llvm::hash_value(bytes)>``; that hash is
+seeded per process (the address of a static), so the same weights get other names, and the file
+other bytes, from one build to the next. This module renames each blob after its own bytes
+(``w_<sha256[:20]>``), which any machine computes the same.
+
+Only the string section changes: blobs are referenced by index everywhere else, and the string
+section follows the resource section, so the file is rewritten from the string section on
+(truncate + append) and the blobs stay where they are. Format: MLIR bytecode (``mlir/Bytecode``),
+prefix varints, sections ``id | 0x80 if aligned``, ``length``, ``[alignment, 0xCB padding]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = b"ML\xefR"
+STRING, RESOURCE, RESOURCE_OFFSET = 0, 5, 6
+_PAD = 0xCB
+_CHUNK = 1 << 20
+
+
+class BytecodeError(ValueError):
+    """Not MLIR bytecode this module understands; the message says where."""
+
+
+class _Reader:
+    def __init__(self, data: bytes | memoryview, pos: int = 0):
+        self.data, self.pos = data, pos
+
+    def byte(self) -> int:
+        if self.pos >= len(self.data):
+            raise BytecodeError(f"unexpected end at byte {self.pos}")
+        b = self.data[self.pos]
+        self.pos += 1
+        return b
+
+    def varint(self) -> int:
+        first = self.byte()
+        if first & 1:
+            return first >> 1
+        if first == 0:
+            return int.from_bytes(self.take(8), "little")
+        n = (first & -first).bit_length()  # trailing zeros + 1 = the encoding's byte count
+        rest = self.take(n - 1)
+        return int.from_bytes(bytes([first]) + bytes(rest), "little") >> n
+
+    def take(self, n: int) -> memoryview:
+        if self.pos + n > len(self.data):
+            raise BytecodeError(f"unexpected end at byte {self.pos} (+{n})")
+        out = memoryview(self.data)[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def cstring(self) -> bytes:
+        end = bytes(self.data).find(b"\0", self.pos)
+        if end < 0:
+            raise BytecodeError(f"unterminated string at byte {self.pos}")
+        s = bytes(self.data[self.pos:end])
+        self.pos = end + 1
+        return s
+
+
+def varint(value: int) -> bytes:
+    """MLIR's prefix varint: the count of trailing zero bits of the first byte gives the length."""
+    for n in range(1, 9):
+        if value < 1 << (7 * n):
+            return ((value << n) | (1 << (n - 1))).to_bytes(n, "little")
+    return b"\0" + value.to_bytes(8, "little")
+
+
+@dataclass(frozen=True)
+class Section:
+    id: int
+    header: int  # offset of the id byte
+    start: int  # offset of the data
+    length: int
+
+
+def _sections(fh, size: int) -> tuple[int, list[Section]]:
+    """The section table, read with seeks (no section data is read)."""
+    head = fh.read(min(size, 256))
+    if not head.startswith(MAGIC):
+        raise BytecodeError("not MLIR bytecode (bad magic)")
+    r = _Reader(head, len(MAGIC))
+    version = r.varint()
+    r.cstring()  # producer
+    pos = r.pos
+    out = []
+    while pos < size:
+        fh.seek(pos)
+        r = _Reader(fh.read(32))
+        code = r.byte()
+        length = r.varint()
+        start = pos + r.pos
+        if code & 0x80:
+            align = r.varint()
+            start = pos + r.pos
+            if align & (align - 1):
+                raise BytecodeError(f"section alignment {align} at byte {pos} is not a power of two")
+            start = (start + align - 1) & ~(align - 1)
+        out.append(Section(id=code & 0x7F, header=pos, start=start, length=length))
+        pos = start + length
+    if pos != size:
+        raise BytecodeError(f"sections end at byte {pos}, the file has {size}")
+    return version, out
+
+
+def _read_strings(data: bytes) -> list[bytes]:
+    r = _Reader(data)
+    n = r.varint()
+    sizes = [r.varint() for _ in range(n)][::-1]  # written last string first
+    out = []
+    for s in sizes:
+        chunk = bytes(r.take(s))
+        if not chunk.endswith(b"\0"):
+            raise BytecodeError("string section entry is not NUL-terminated")
+        out.append(chunk[:-1])
+    return out
+
+
+def _write_strings(strings: list[bytes]) -> bytes:
+    body = bytearray(varint(len(strings)))
+    for s in reversed(strings):
+        body += varint(len(s) + 1)
+    for s in strings:
+        body += s + b"\0"
+    return bytes(body)
+
+
+def _resource_entries(offsets: bytes) -> list[tuple[int, int, int]]:
+    """(string index of the key, size of the entry in the resource section, kind) for every
+    resource, in the order of the resource section. The section lists external groups (key, n,
+    entries) and then dialect groups (dialect index, n, entries) until it ends."""
+    r = _Reader(offsets)
+    out = []
+
+    def group() -> None:
+        for _ in range(r.varint()):
+            key, size, kind = r.varint(), r.varint(), r.byte()
+            out.append((key, size, kind))
+
+    for _ in range(r.varint()):  # external resource groups
+        r.varint()
+        group()
+    while r.pos < len(offsets):  # dialect resource groups
+        r.varint()
+        group()
+    return out
+
+
+def _blob_digest(fh, start: int, size: int, kind: int) -> str:
+    """sha256 of a blob entry's data (its alignment and size prefix excluded)."""
+    fh.seek(start)
+    r = _Reader(fh.read(min(size, 32)))
+    if kind != 0:  # not a blob (bool / string resource): the entry's bytes as they are
+        data_start, data_size = start, size
+    else:
+        align = r.varint()
+        data_size = r.varint()
+        data_start = start + r.pos
+        if align > 1:
+            data_start = (data_start + align - 1) & ~(align - 1)
+        if data_start + data_size > start + size:
+            raise BytecodeError(f"blob at byte {start} overruns its entry")
+    h = hashlib.sha256()
+    fh.seek(data_start)
+    left = data_size
+    while left:
+        chunk = fh.read(min(_CHUNK, left))
+        if not chunk:
+            raise BytecodeError(f"blob at byte {start} is truncated")
+        h.update(chunk)
+        left -= len(chunk)
+    return h.hexdigest()
+
+
+def resource_names(path: Path) -> list[str]:
+    """The resource keys of a bytecode file, in the order of its resource section."""
+    path = Path(path)
+    with open(path, "rb") as fh:
+        _, sections = _sections(fh, path.stat().st_size)
+        strings, entries = _strings_and_entries(fh, sections)
+    return [strings[k].decode() for k, _, _ in entries]
+
+
+def _strings_and_entries(fh, sections: list[Section]):
+    by_id = {s.id: s for s in sections}
+    if STRING not in by_id:
+        raise BytecodeError("no string section")
+    fh.seek(by_id[STRING].start)
+    strings = _read_strings(fh.read(by_id[STRING].length))
+    entries = []
+    if RESOURCE_OFFSET in by_id:
+        fh.seek(by_id[RESOURCE_OFFSET].start)
+        entries = _resource_entries(fh.read(by_id[RESOURCE_OFFSET].length))
+    return strings, entries
+
+
+def stable_resource_names(path: Path, prefix: str = "w_") -> int:
+    """Rename every resource of ``path`` after the sha256 of its bytes, in place; returns how many.
+
+    The string section must come after the resource section (MLIR's writer puts it there); the
+    file is cut at the string section and everything from there on is written again."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "r+b") as fh:
+        _, sections = _sections(fh, size)
+        strings, entries = _strings_and_entries(fh, sections)
+        if not entries:
+            return 0
+        ids = [s.id for s in sections]
+        string_at = ids.index(STRING)
+        if RESOURCE in ids and ids.index(RESOURCE) > string_at:
+            raise BytecodeError("the string section comes before the resource section")
+        resource = sections[ids.index(RESOURCE)]
+        renamed: dict[int, bytes] = {}
+        used = set(strings) - {strings[k] for k, _, _ in entries}  # names that must stay free
+        offset = resource.start
+        for key, entry_size, kind in entries:
+            name = f"{prefix}{_blob_digest(fh, offset, entry_size, kind)[:20]}".encode()
+            offset += entry_size
+            n = 1
+            base = name
+            while name in used:  # two blobs with the same bytes under two keys: keep them apart
+                name = base + b"_%d" % n
+                n += 1
+            used.add(name)
+            renamed[key] = name
+        if offset != resource.start + resource.length:
+            raise BytecodeError("resource entries do not fill the resource section")
+        new_strings = [renamed.get(i, s) for i, s in enumerate(strings)]
+        tail_start = sections[string_at].header
+        tail = bytearray()
+        for sec in sections[string_at:]:
+            fh.seek(sec.start)
+            data = fh.read(sec.length) if sec.id != STRING else _write_strings(new_strings)
+            header = bytearray([sec.id]) + varint(len(data))
+            fh.seek(sec.header)
+            old = _Reader(fh.read(32))
+            if old.byte() & 0x80:  # an aligned section after the strings: padded again from its new place
+                old.varint()
+                align = old.varint()
+                at = tail_start + len(tail) + len(header) + len(varint(align))
+                header[0] |= 0x80
+                header += varint(align) + bytes([_PAD]) * ((-at) % align)
+            tail += header + data
+        fh.truncate(tail_start)
+        fh.seek(tail_start)
+        fh.write(tail)
+    return len(renamed)
