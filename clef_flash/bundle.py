@@ -187,3 +187,32 @@ def staged_dir(final: Path, overwrite: bool) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
+
+
+@contextlib.contextmanager
+def staged_files(folder: Path, names: tuple[str, ...], overwrite: bool) -> Iterator[Path]:
+    """A temp folder for files that land in ``folder`` under ``names`` together, or not at all.
+
+    A ``folder`` that does not exist yet is itself staged (``staged_dir``): a failure leaves no
+    folder behind. In an existing one the files are made in a temp subfolder and renamed over their
+    names at the end, in the order given; anything else in the folder is left alone. A killed
+    run's temp subfolder is swept by the next one."""
+    folder = Path(folder)
+    if not folder.exists() and not folder.is_symlink():
+        check_output_path(folder, overwrite=False)
+        with staged_dir(folder, overwrite=False) as tmp:
+            yield tmp
+        return
+    for name in names:
+        check_output_path(folder / name, overwrite)
+    sweep_stale(folder / names[0])
+    tmp = folder / f".{names[0]}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        fsync_tree(tmp)
+        for name in names:
+            os.replace(tmp / name, folder / name)
+        _fsync_dir(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

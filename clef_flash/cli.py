@@ -111,7 +111,8 @@ def fetch(
 
     def go():
         p = load_pins(pins)
-        return p, do_fetch(p, revision=revision, cache_dir=cache_dir, local_dir=local_dir, allow_unpinned=allow_unpinned)
+        return p, do_fetch(p, revision=revision, cache_dir=cache_dir, local_dir=local_dir, allow_unpinned=allow_unpinned,
+                           log=_log)
 
     p, folder = _run(go)
     if json_out:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
+import shutil
 import struct
 import time
 from pathlib import Path
@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from .author import read_verified
-from .bundle import atomic_write_json, check_output_path
-from .errors import IntegrityError, NumericError
+from .bundle import atomic_write_json, check_output_path, output_lock, staged_files
+from .errors import IntegrityError, NumericError, OutputError
 from .digest import sha256_file
 from .pins import Pins
 
@@ -35,8 +35,6 @@ SIDECAR_FILE = "lm_head_fp16.json"
 
 
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
-
-
 
 
 def _to_fp16(raw: bytearray, dtype: str) -> np.ndarray:
@@ -80,15 +78,47 @@ def _locate(name: str, source: Path | None, pins: Pins) -> Path:
     return Path(hf_hub_download(pins.hf_id, name, revision=pins.revision))
 
 
-def lm_head_table(source: Path | None, pins: Pins, pins_path: Path, out: Path, *, block_rows: int = 2048,
-                  sample_rows: int = 64, overwrite: bool = False, log=lambda msg: None) -> dict[str, Any]:
+def _header(path: Path) -> tuple[list[int], str, int]:
+    """Shape, dtype and absolute data offset of ``lm_head.weight``, from the safetensors header
+    (checked by the library itself first)."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            if TENSOR not in f.keys():
+                raise IntegrityError(f"{path}: has no tensor {TENSOR}")
+            shape = list(f.get_slice(TENSOR).get_shape())
+    except SafetensorError as exc:
+        raise IntegrityError(f"{path}: corrupt safetensors ({exc})") from None
+    if len(shape) != 2:
+        raise IntegrityError(f"{path}: {TENSOR} has shape {shape}, expected [vocab, hidden]")
+    dtype, base = _tensor_location(path)
+    return shape, dtype, base
+
+
+def check_free_space(folder: Path, need: int) -> None:
+    """Fail before reading a block when the table cannot fit where it goes."""
+    probe = next(p for p in [folder, *folder.parents] if p.exists())
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputError(f"{folder / TABLE_FILE}: not enough free space for the table "
+                          f"(needs about {need:,} bytes, {free:,} free in {probe})")
+
+
+def lm_head_table(source: Path | None, pins: Pins, pins_path: Path, out: Path, *, block_rows: int = 2048,
+                  sample_rows: int = 64, overwrite: bool = False, log=lambda msg: None) -> dict[str, Any]:
+    """``lm_head.weight`` of the pinned checkpoint as ``out/lm_head_fp16.bin`` with its sidecar.
+
+    Everything that can be checked is checked before a byte is written (pins, the shard's sha256,
+    its header, the output folder, free space); both files then land together or not at all
+    (``bundle.staged_files``), and a write error names the file."""
     out = Path(out)
     table_path, sidecar_path = out / TABLE_FILE, out / SIDECAR_FILE
-    out.mkdir(parents=True, exist_ok=True)
-    for p in (table_path, sidecar_path):
-        check_output_path(p, overwrite)
+    if out.exists() or out.is_symlink():
+        for p in (table_path, sidecar_path):
+            check_output_path(p, overwrite)
+    else:
+        check_output_path(out, overwrite=False)
     index_path = _locate(INDEX_FILE, source, pins)
     index_sha = _pinned(pins, pins_path, INDEX_FILE)
     try:
@@ -103,70 +133,70 @@ def lm_head_table(source: Path | None, pins: Pins, pins_path: Path, out: Path, *
     if actual != shard_sha:
         raise IntegrityError(f"{shard_path}: sha256 mismatch (expected {shard_sha[:12]}…, got {actual[:12]}…)")
     t_hash = time.perf_counter() - t0
+    (rows, hidden), dtype, base = _header(shard_path)
+    size = rows * hidden * 2
+    check_free_space(out, size + (64 << 10))  # the table, its sidecar and a folder entry or two
 
-    tmp = table_path.with_name(f".{TABLE_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     digest = hashlib.sha256()
     t0 = time.perf_counter()
-    try:
-        with safe_open(str(shard_path), framework="numpy") as f:  # the library validates the file
-            if TENSOR not in f.keys():
-                raise IntegrityError(f"{shard_path}: has no tensor {TENSOR}")
-            shape = list(f.get_slice(TENSOR).get_shape())
-        if len(shape) != 2:
-            raise IntegrityError(f"{shard_path}: {TENSOR} has shape {shape}, expected [vocab, hidden]")
-        rows, hidden = shape
-        dtype, base = _tensor_location(shard_path)
-        log(f"{TENSOR} [{rows}, {hidden}] {dtype} -> {TABLE_FILE}")
-        row_bytes = hidden * _ITEMSIZE[dtype]
-        # plain reads of one block at a time: an mmap of the shard would count all 2 GB as resident
-        with open(shard_path, "rb", buffering=0) as src, open(tmp, "wb") as fh:
-            for r0 in range(0, rows, block_rows):
-                n = min(block_rows, rows - r0)
-                raw = bytearray(os.pread(src.fileno(), n * row_bytes, base + r0 * row_bytes))
-                if len(raw) != n * row_bytes:
-                    raise IntegrityError(f"{shard_path}: truncated at row {r0}")
-                half = _to_fp16(raw, dtype).reshape(n, hidden)
-                bad = ~np.isfinite(half).all(axis=1)
-                if bool(bad.any()):
-                    row = r0 + int(np.flatnonzero(bad)[0])
-                    raise NumericError(f"{shard_path}: {TENSOR} row {row} does not fit fp16 (|x| > 65504 or not finite)")
-                data = half.tobytes()
-                digest.update(data)
-                fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        # read back through a second path: a memmap of the written file against the shard's rows
-        mm = np.memmap(tmp, dtype=np.float16, mode="r", shape=(rows, hidden))
-        rng = np.random.default_rng(0)
-        picks = sorted({0, rows - 1, *rng.integers(0, rows, size=max(0, sample_rows - 2)).tolist()})
-        with open(shard_path, "rb", buffering=0) as src:
-            for r in picks:
-                want = _to_fp16(bytearray(os.pread(src.fileno(), row_bytes, base + r * row_bytes)), dtype)
-                if not np.array_equal(mm[r].view(np.uint16), want.view(np.uint16)):
-                    raise IntegrityError(f"{tmp}: read-back of row {r} differs from {shard_path}")
-        del mm
-        os.replace(tmp, table_path)
-    except SafetensorError as exc:
-        raise IntegrityError(f"{shard_path}: corrupt safetensors ({exc})") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    seconds = time.perf_counter() - t0
-    size = table_path.stat().st_size
-    sidecar = {
-        "shape": [rows, hidden],
-        "dtype": "float16",
-        "layout": f"raw fp16, row-major, no header; row t at byte offset t x {hidden * 2}",
-        "bytes": size,
-        "sha256": digest.hexdigest(),
-        "source": {"hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
-                   "file": shard, "tensor": TENSOR, "sha256": shard_sha, "index_sha256": index_sha},
-        "read_back": {"method": "numpy.memmap of the written file vs the shard's rows cast to fp16, bitwise",
-                      "rows_checked": len(picks), "ok": True},
-    }
-    atomic_write_json(sidecar_path, sidecar)
+    with output_lock(out), staged_files(out, (TABLE_FILE, SIDECAR_FILE), overwrite) as tmp:
+        log(f"{TENSOR} [{rows}, {hidden}] {dtype} -> {table_path}")
+        try:
+            picks = _write_table(shard_path, tmp / TABLE_FILE, rows, hidden, dtype, base, block_rows, sample_rows, digest)
+        except OSError as exc:
+            raise OutputError(f"{table_path}: cannot write the table ({exc.strerror or exc})") from None
+        seconds = time.perf_counter() - t0
+        sidecar = {
+            "shape": [rows, hidden],
+            "dtype": "float16",
+            "layout": f"raw fp16, row-major, no header; row t at byte offset t x {hidden * 2}",
+            "bytes": size,
+            "sha256": digest.hexdigest(),
+            "source": {"hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
+                       "file": shard, "tensor": TENSOR, "sha256": shard_sha, "index_sha256": index_sha},
+            "read_back": {"method": "numpy.memmap of the written file vs the shard's rows cast to fp16, bitwise",
+                          "rows_checked": len(picks), "ok": True},
+        }
+        try:
+            atomic_write_json(tmp / SIDECAR_FILE, sidecar)
+        except OSError as exc:
+            raise OutputError(f"{sidecar_path}: cannot write the sidecar ({exc.strerror or exc})") from None
     log(f"{size:,} bytes in {seconds:.1f} s ({size / max(seconds, 1e-9) / 1e9:.2f} GB/s); shard hashed in {t_hash:.1f} s")
     return {**sidecar, "seconds": seconds, "hash_seconds": t_hash, "table": str(table_path)}
+
+
+def _write_table(shard_path: Path, dest: Path, rows: int, hidden: int, dtype: str, base: int, block_rows: int,
+                 sample_rows: int, digest) -> list[int]:
+    """The rows cast to fp16, written in blocks and hashed as written, then read back through a
+    second path (a memmap of ``dest`` against the shard's rows); returns the rows checked."""
+    row_bytes = hidden * _ITEMSIZE[dtype]
+    # plain reads of one block at a time: an mmap of the shard would count all 2 GB as resident
+    with open(shard_path, "rb", buffering=0) as src, open(dest, "wb") as fh:
+        for r0 in range(0, rows, block_rows):
+            n = min(block_rows, rows - r0)
+            raw = bytearray(os.pread(src.fileno(), n * row_bytes, base + r0 * row_bytes))
+            if len(raw) != n * row_bytes:
+                raise IntegrityError(f"{shard_path}: truncated at row {r0}")
+            half = _to_fp16(raw, dtype).reshape(n, hidden)
+            bad = ~np.isfinite(half).all(axis=1)
+            if bool(bad.any()):
+                row = r0 + int(np.flatnonzero(bad)[0])
+                raise NumericError(f"{shard_path}: {TENSOR} row {row} does not fit fp16 (|x| > 65504 or not finite)")
+            data = half.tobytes()
+            digest.update(data)
+            fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    mm = np.memmap(dest, dtype=np.float16, mode="r", shape=(rows, hidden))
+    rng = np.random.default_rng(0)
+    picks = sorted({0, rows - 1, *rng.integers(0, rows, size=max(0, sample_rows - 2)).tolist()})
+    with open(shard_path, "rb", buffering=0) as src:
+        for r in picks:
+            want = _to_fp16(bytearray(os.pread(src.fileno(), row_bytes, base + r * row_bytes)), dtype)
+            if not np.array_equal(mm[r].view(np.uint16), want.view(np.uint16)):
+                raise IntegrityError(f"{dest}: read-back of row {r} differs from {shard_path}")
+    del mm
+    return picks
 
 
 def open_table(path: Path) -> np.memmap:

@@ -21,7 +21,29 @@ class FileCheck:
     expected: str
     actual: str | None
     ok: bool
-    cause: str  # "ok", "missing", "sha256 mismatch", "not a regular file"
+    cause: str  # "ok", "missing", "sha256 mismatch", "not a regular file", or a cached copy's mismatch
+
+
+CACHED_MISMATCH = "cached copy does not match its pin; run `clef-export fetch` to download it again"
+
+
+def in_hf_cache(path: Path) -> bool:
+    """Whether ``path`` is a snapshot entry of a huggingface_hub cache (a link into ``blobs/``)."""
+    return path.is_symlink() and path.resolve().parent.name == "blobs"
+
+
+def remove_copy(path: Path) -> list[Path]:
+    """Remove a file that failed its pin so that no later run uses it: in a huggingface_hub cache,
+    the snapshot entry and the blob behind it; elsewhere, the file. Returns what was removed."""
+    removed = []
+    if in_hf_cache(path):
+        blob = path.resolve()
+        blob.unlink(missing_ok=True)
+        removed.append(blob)
+    if path.is_symlink() or path.exists():
+        path.unlink()
+        removed.append(path)
+    return removed
 
 
 def check_source(source: Path, pins: Pins, names: tuple[str, ...] | None = None) -> list[FileCheck]:
@@ -45,7 +67,8 @@ def check_source(source: Path, pins: Pins, names: tuple[str, ...] | None = None)
             continue
         actual = sha256_file(path)
         ok = actual == expected
-        checks.append(FileCheck(name, expected, actual, ok, "ok" if ok else "sha256 mismatch"))
+        cause = "ok" if ok else CACHED_MISMATCH if in_hf_cache(path) else "sha256 mismatch"
+        checks.append(FileCheck(name, expected, actual, ok, cause))
     return checks
 
 
@@ -76,13 +99,51 @@ def fetch(
     cache_dir: Path | None = None,
     local_dir: Path | None = None,
     allow_unpinned: bool = False,
+    log=lambda msg: None,
 ) -> Path:
     """Download the head's pinned files by commit (``hf_hub_download``), verify each, return their
     folder. (The lm_head shard is fetched on its own, by ``lm-head-table``.)
 
     Honours ``HF_HOME``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` through huggingface_hub itself.
-    A file whose bytes do not match its pin is removed from ``local_dir`` (never left to be used).
+    Bytes that do not match their pin never stay where a later run would use them: a copy already
+    there (in the cache or ``local_dir``) that fails its pin is removed and downloaded again, and a
+    download that fails its pin is removed (the cache's snapshot entry and its blob) before the error.
     """
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import logging as hf_logging
+
+    rev = _check_revision(pins, revision, allow_unpinned)
+    hf_logging.set_verbosity_error()  # our one-line errors say what failed; no retry chatter
+    folder: Path | None = None
+    for name in HEAD_FILES:
+        where = f"{pins.hf_id}@{rev[:12]}/{name}"
+        if local_dir is not None:
+            existing: Path | None = Path(local_dir) / name
+        else:
+            hit = try_to_load_from_cache(pins.hf_id, name, revision=rev, cache_dir=cache_dir)
+            existing = Path(hit) if isinstance(hit, str) else None
+        if existing is not None and existing.is_file():
+            if sha256_file(existing) == pins.files[name]:
+                folder = existing.parent if folder is None else folder
+                continue  # already here and verified: nothing to download
+            removed = remove_copy(existing)
+            log(f"{existing}: the copy already there does not match its pin; removed "
+                f"{', '.join(str(p) for p in removed)} and downloading it again")
+        path = _download(pins.hf_id, name, rev, where, cache_dir, local_dir)
+        actual = sha256_file(path)
+        if actual != pins.files[name]:
+            removed = remove_copy(path)
+            raise IntegrityError(
+                f"{path}: sha256 mismatch after download (expected {pins.files[name][:12]}…, got {actual[:12]}…); "
+                f"removed {len(removed)} file(s), nothing unverified is left; run `clef-export fetch` again"
+            )
+        folder = path.parent if folder is None else folder
+    assert folder is not None
+    return folder
+
+
+def _download(repo: str, name: str, rev: str, where: str, cache_dir: Path | None, local_dir: Path | None) -> Path:
+    """One ``hf_hub_download`` by commit; its failures as one-line ``IntegrityError``s."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -92,48 +153,24 @@ def fetch(
         RevisionNotFoundError,
     )
 
-    from huggingface_hub.utils import logging as hf_logging
-
-    rev = _check_revision(pins, revision, allow_unpinned)
-    hf_logging.set_verbosity_error()  # our one-line errors say what failed; no retry chatter
-    folder: Path | None = None
-    for name in HEAD_FILES:
-        where = f"{pins.hf_id}@{rev[:12]}/{name}"
-        try:
-            path = Path(
-                hf_hub_download(
-                    pins.hf_id,
-                    name,
-                    revision=rev,
-                    cache_dir=str(cache_dir) if cache_dir else None,
-                    local_dir=str(local_dir) if local_dir else None,
-                )
-            )
-        except RevisionNotFoundError:
-            raise IntegrityError(f"{pins.hf_id}@{rev}: revision not found on the Hub (fetching {name})") from None
-        except LocalEntryNotFoundError as exc:  # before EntryNotFoundError: it is a subclass
-            if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-                raise IntegrityError(f"{where}: not in the cache and HF_HUB_OFFLINE is set; run `clef-export fetch` online") from None
-            raise IntegrityError(f"{where}: download failed ({_cause(exc)})") from None
-        except EntryNotFoundError:
-            raise IntegrityError(f"{where}: file not found on the Hub") from None
-        except RepositoryNotFoundError:
-            raise IntegrityError(f"{pins.hf_id}: repository not found on the Hub") from None
-        except HfHubHTTPError as exc:
-            code = getattr(getattr(exc, "response", None), "status_code", "?")
-            raise IntegrityError(f"{where}: download failed (HTTP {code})") from None
-        except Exception as exc:  # connection reset, timeout, truncated body: all mean "no verified file"
-            raise IntegrityError(f"{where}: download failed ({_cause(exc)})") from None
-        actual = sha256_file(path)
-        if actual != pins.files[name]:
-            if local_dir is not None:
-                path.unlink(missing_ok=True)
-            raise IntegrityError(
-                f"{path}: sha256 mismatch after download (expected {pins.files[name][:12]}…, got {actual[:12]}…)"
-            )
-        folder = path.parent if folder is None else folder
-    assert folder is not None
-    return folder
+    try:
+        return Path(hf_hub_download(repo, name, revision=rev, cache_dir=str(cache_dir) if cache_dir else None,
+                                    local_dir=str(local_dir) if local_dir else None))
+    except RevisionNotFoundError:
+        raise IntegrityError(f"{repo}@{rev}: revision not found on the Hub (fetching {name})") from None
+    except LocalEntryNotFoundError as exc:  # before EntryNotFoundError: it is a subclass
+        if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+            raise IntegrityError(f"{where}: not in the cache and HF_HUB_OFFLINE is set; run `clef-export fetch` online") from None
+        raise IntegrityError(f"{where}: download failed ({_cause(exc)})") from None
+    except EntryNotFoundError:
+        raise IntegrityError(f"{where}: file not found on the Hub") from None
+    except RepositoryNotFoundError:
+        raise IntegrityError(f"{repo}: repository not found on the Hub") from None
+    except HfHubHTTPError as exc:
+        code = getattr(getattr(exc, "response", None), "status_code", "?")
+        raise IntegrityError(f"{where}: download failed (HTTP {code})") from None
+    except Exception as exc:  # connection reset, timeout, truncated body: all mean "no verified file"
+        raise IntegrityError(f"{where}: download failed ({_cause(exc)})") from None
 
 
 def _cause(exc: BaseException) -> str:

@@ -3,7 +3,8 @@
 Serves ``HEAD``/``GET /{repo}/resolve/{revision}/{file}`` with the headers huggingface_hub needs
 (``X-Repo-Commit``, ``ETag``, ``Content-Length``). ``faults[file]`` picks a misbehaviour:
 ``404-entry``, ``404-revision``, ``500``, ``reset`` (connection cut mid-body), ``corrupt``
-(same size, one byte flipped), ``slow`` (a delay before the body).
+(same size, one byte flipped), ``corrupt-once`` (corrupt for one download, right afterwards),
+``slow`` (a delay before the body).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ class FakeHub:
                 if fault == "500":
                     return self._error(500, None, "Internal Error")
                 data = f.read_bytes()
-                if fault == "corrupt":
+                if fault in ("corrupt", "corrupt-once"):
                     data = data[:-1] + bytes([data[-1] ^ 0x01])
+                    if fault == "corrupt-once" and body:
+                        hub.faults.pop(name)  # the next request gets the true bytes
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(data)))
                 self.send_header("ETag", '"' + hashlib.sha256(data).hexdigest() + '"')

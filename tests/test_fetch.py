@@ -93,3 +93,54 @@ def test_slow_server_still_verifies(tmp_path, hub, tiny_source):
 def test_unpinned_revision_refused_before_network(tmp_path, tiny_source):
     r, _ = run_cli(["fetch", "--pins", tiny_source / "pins.json", "--revision", "main"], "http://127.0.0.1:9", tmp_path / "hf")
     assert r.returncode == 2 and "is not the pinned commit" in r.stderr
+
+
+def _cache_files(home: Path) -> dict[str, bytes]:
+    """Every regular file in the huggingface_hub cache under ``home`` (blobs), by name."""
+    return {p.name: p.read_bytes() for p in (home / "hub").rglob("*") if p.is_file() and not p.is_symlink()}
+
+
+def test_failed_fetch_does_not_poison_the_cache(tmp_path, hub, tiny_source):
+    """A corrupt body, then the true one: the first fetch fails and leaves no bad bytes in the cache;
+    the second downloads again and verifies; the offline commands then read a clean snapshot."""
+    pins = tiny_source / "pins.json"
+    home = tmp_path / "hf"
+    name = "joint_head_config.json"
+    good = (tiny_source / name).read_bytes()
+    hub.faults[name] = "corrupt-once"
+    r, _ = run_cli(["fetch", "--pins", pins], hub.endpoint, home)
+    assert r.returncode == 3 and f"{name}: sha256 mismatch after download" in r.stderr, r.stderr[-1500:]
+    assert "nothing unverified is left" in r.stderr and "Traceback" not in r.stderr
+    bad = good[:-1] + bytes([good[-1] ^ 0x01])
+    assert bad not in _cache_files(home).values()
+    assert not list((home / "hub").rglob(f"snapshots/*/{name}"))
+    gets = len([1 for m, _ in hub.requests if m == "GET"])
+    r, _ = run_cli(["fetch", "--pins", pins], hub.endpoint, home)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert len([1 for m, _ in hub.requests if m == "GET"]) == gets + 1  # only the removed file again
+    r, _ = run_cli(["verify-hashes", "--pins", pins, "--json"], None, home, offline=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True, r.stderr[-1500:]
+
+
+def test_bad_cached_copy_is_named_then_repaired_by_fetch(tmp_path, hub, tiny_source):
+    """A cached copy whose bytes changed (a proxy, a disk): verify-hashes names it and the command
+    that repairs it; fetch removes it and downloads it again, without the user touching the cache."""
+    pins = tiny_source / "pins.json"
+    home = tmp_path / "hf"
+    r, _ = run_cli(["fetch", "--pins", pins], hub.endpoint, home)
+    assert r.returncode == 0, r.stderr[-1500:]
+    entry = next((home / "hub").rglob("snapshots/*/joint_head.safetensors"))
+    blob = entry.resolve()
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    blob.write_bytes(bytes(data))
+    r, _ = run_cli(["verify-hashes", "--pins", pins], None, home, offline=True)
+    assert r.returncode == 3, r.stderr[-1500:]
+    assert "joint_head.safetensors: cached copy does not match its pin; run `clef-export fetch`" in r.stderr
+    r, _ = run_cli(["build", "--pins", pins, "--out", tmp_path / "out", "--dry-run"], None, home, offline=True)
+    assert r.returncode == 3 and "cached copy does not match its pin" in r.stderr, r.stderr[-1500:]
+    r, _ = run_cli(["fetch", "--pins", pins], hub.endpoint, home)
+    assert r.returncode == 0, r.stderr[-1500:]
+    assert "does not match its pin; removed" in r.stderr and "downloading it again" in r.stderr
+    r, _ = run_cli(["verify-hashes", "--pins", pins], None, home, offline=True)
+    assert r.returncode == 0, r.stderr[-1500:]
