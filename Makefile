@@ -36,7 +36,7 @@ $(AUTHOR): $(STAMP)
 	$(BIN)/clef-export author-code --out $@
 
 # A synthetic snapshot at the real head configuration (random bf16 weights, seed 0).
-$(SYNTH)/pins.json: $(AUTHOR) | $(STAMP)
+$(SYNTH)/pins.json: $(AUTHOR) clef_flash/synth.py | $(STAMP)
 	$(BIN)/clef-export synth $(SYNTH) --config real --seed 0 --author-code $(AUTHOR) --overwrite
 
 $(BUNDLE)/metadata.json: $(SRC_DEPS) $(SOURCES)

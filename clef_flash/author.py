@@ -24,6 +24,10 @@ from .errors import IntegrityError, ToolchainError, first_validation_error
 from .digest import sha256_bytes
 
 AUTHOR_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
+# The joint_schema_model.py files this tool executes without being told to: Cloudflare's published
+# file (the pinned clef-flash commit, and the copy clef-finetune 0.1.0 vendors and writes into
+# every release it merges).
+KNOWN_AUTHOR_SHA256 = {AUTHOR_SHA256: "Cloudflare/clef-flash@17f0b0ad, clef-finetune 0.1.0"}
 AUTHOR_WHEEL = "clef-finetune==0.1.0"
 AUTHOR_MEMBER = "clef_finetune/_vendor/joint_schema_model.py"
 
@@ -176,12 +180,22 @@ def build_head(module: types.ModuleType, config: HeadConfig, state: dict[str, An
     return head.eval().requires_grad_(False)
 
 
+def check_author_trusted(path: Path, sha256: str, trusted: str | None = None) -> None:
+    """Refuse to execute an author's file the tool does not know, unless the user trusted that
+    exact sha256 (``pin --trust-author-code SHA256``)."""
+    if sha256 in KNOWN_AUTHOR_SHA256 or sha256 == trusted:
+        return
+    raise IntegrityError(f"{path}: sha256 {sha256} is not a joint_schema_model.py this tool knows; refusing to "
+                         f"execute it (to run this exact file, pin with --trust-author-code {sha256})")
+
+
 def load_head(source: Path, pins: Any, dtype: Any):
     """Module, config and head from a source folder, each file read once and checked against
-    its pin before use."""
+    its pin before use; the author's file only when its sha256 is known or trusted."""
     from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE
 
     source = Path(source)
+    check_author_trusted(source / CODE_FILE, pins.files[CODE_FILE], pins.trusted_author_sha256)
     module = load_author_module(source / CODE_FILE, pins.files[CODE_FILE])
     config = load_config(source / CONFIG_FILE, pins.files[CONFIG_FILE])
     state = load_state(source / WEIGHTS_FILE, pins.files[WEIGHTS_FILE])

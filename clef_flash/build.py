@@ -24,7 +24,8 @@ from .errors import OutputError
 from .gate import VerifyConfig, verify_bundle
 from .layout import MANIFEST_FILE, RECORD_FILE
 from .manifest import Seconds, common_fields
-from .pins import WEIGHTS_FILE, load_pins
+from .author import check_author_trusted
+from .pins import CODE_FILE, WEIGHTS_FILE, load_pins
 from .provenance import build_date, build_record
 from .recipe import Recipe
 from .worker import run_export
@@ -41,6 +42,7 @@ class BuildConfig:
     dry_run: bool = False
     verify: bool = True
     verify_records: int | None = None
+    name: str | None = None  # the release's name in the bundle's name (default: the pins')
 
 
 @dataclass
@@ -49,6 +51,16 @@ class BuildResult:
     manifest: BaseModel | None
     record: dict[str, Any]
     plan: dict[str, Any] = field(default_factory=dict)
+
+
+def bundle_name(recipe: Recipe, pins, name: str | None = None) -> str:
+    """The recipe's name for this release: ``--name``, else the pins' release name."""
+    from .errors import UsageError
+
+    release = name or pins.release_name
+    if not release.replace("_", "").isalnum():
+        raise UsageError(f"release name {release!r}: letters, digits and _ only")
+    return recipe.bundle_name(release)
 
 
 def check_free_space(final: Path, weight_bytes: int) -> None:
@@ -67,14 +79,15 @@ def plan(cfg: BuildConfig) -> dict[str, Any]:
     recipe = cfg.recipe
     backend(recipe.format)
     pins = load_pins(cfg.pins_path)
-    final = Path(cfg.out) / recipe.name
+    final = Path(cfg.out) / bundle_name(recipe, pins, cfg.name)
     check_output_path(final, cfg.overwrite)
     source = resolve_source(cfg.source, pins)
     checks = require_verified(source, pins)
+    check_author_trusted(source / CODE_FILE, pins.files[CODE_FILE], pins.trusted_author_sha256)
     check_free_space(final, (source / WEIGHTS_FILE).stat().st_size * (1 if recipe.weights == "fp16w32" else 2))
     return {
         "recipe": str(cfg.recipe_path),
-        "name": recipe.name,
+        "name": final.name,
         "format": recipe.format,
         "bundle": str(final),
         "source": str(source),
@@ -99,7 +112,7 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
     if cfg.dry_run:
         return BuildResult(bundle=final, manifest=None, record={}, plan=info)
     with output_lock(final), staged_dir(final, cfg.overwrite) as tmp:
-        asset_dir = tmp / f"{recipe.name}{fmt.SUFFIX}"
+        asset_dir = tmp / f"{final.name}{fmt.SUFFIX}"
         timings = run_export(source, cfg.pins_path, recipe, asset_dir, log)
         hidden_size = int(timings["hidden_size"])
 
@@ -107,8 +120,9 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
         outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir).items()}
         seconds = Seconds(build=timings["build"], export=timings["export"], optimize=0.0, save=timings["save"],
                           total=timings["build"] + timings["export"] + timings["save"])
-        common = common_fields(name=recipe.name, asset=asset_dir.name, buckets=recipe.buckets, weights=recipe.weights,
-                               pins=pins, hidden_size=hidden_size, date=build_date())
+        common = common_fields(name=final.name, asset=asset_dir.name, buckets=recipe.buckets, weights=recipe.weights,
+                               pins=pins, hidden_size=hidden_size, date=build_date(), q_pad=recipe.q_pad,
+                               o_pad=recipe.o_pad)
         manifest = fmt.manifest(common, recipe, asset_dir, outputs, seconds)
         atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))
         outputs[MANIFEST_FILE] = sha256_file(tmp / MANIFEST_FILE)

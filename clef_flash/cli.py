@@ -18,7 +18,6 @@ from rich.table import Table
 
 from .errors import ClefError
 
-PINS_DEFAULT = Path(__file__).resolve().parent.parent / "manifests" / "clef-flash.source.json"
 
 app = typer.Typer(
     add_completion=False,
@@ -31,8 +30,18 @@ err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.st
 _state = {"verbose": False}
 
 
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        sys.stdout.write(f"clef-export {__version__}\n")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show tracebacks on errors.")] = False) -> None:
+def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show tracebacks on errors.")] = False,
+          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
     _state["verbose"] = verbose
 
 
@@ -69,7 +78,21 @@ def _emit_json(obj: Any) -> None:
     sys.stdout.write(json.dumps(obj, indent=2) + "\n")
 
 
-PinsOpt = Annotated[Path, typer.Option("--pins", help="Pins file: hf_id, revision, file -> sha256.")]
+PinsOpt = Annotated[Optional[Path], typer.Option("--pins", help=(
+    "Pins file: origin, file -> sha256 (default: SOURCE/pins.json when --source has one, else "
+    "Cloudflare/clef-flash at the published commit)."))]
+NameOpt = Annotated[Optional[str], typer.Option("--name", help="The release's name in bundle names (default: the pins').")]
+
+
+def _pins(pins: Optional[Path], source: Optional[Path] = None) -> Path:
+    """--pins, else the source folder's pins.json (written by `pin` and `synth`), else the default."""
+    from .data import default_pins
+
+    if pins is not None:
+        return pins
+    if source is not None and (Path(source) / "pins.json").is_file():
+        return Path(source) / "pins.json"
+    return default_pins()
 SourceOpt = Annotated[Optional[Path], typer.Option("--source", help="Snapshot folder (default: the pinned revision in the HF cache).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
 RecipeArg = Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")]
@@ -94,7 +117,7 @@ def author_code(
 
 @app.command()
 def fetch(
-    pins: PinsOpt = PINS_DEFAULT,
+    pins: PinsOpt = None,
     revision: Annotated[Optional[str], typer.Option("--revision", help="Commit to fetch (default: the pinned one).")] = None,
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="huggingface_hub cache folder.")] = None,
     local_dir: Annotated[Optional[Path], typer.Option("--local-dir", help="Download into this folder instead of the cache.")] = None,
@@ -110,7 +133,7 @@ def fetch(
         raise typer.Exit(2)
 
     def go():
-        p = load_pins(pins)
+        p = load_pins(_pins(pins))
         return p, do_fetch(p, revision=revision, cache_dir=cache_dir, local_dir=local_dir, allow_unpinned=allow_unpinned,
                            log=_log)
 
@@ -122,14 +145,47 @@ def fetch(
         sys.stdout.write(f"{folder}\n")
 
 
+@app.command()
+def pin(
+    target: Annotated[str, typer.Argument(help="A Hub repo id (with --revision) or a local release folder.")],
+    revision: Annotated[Optional[str], typer.Option("--revision", help="The Hub commit to pin (40 hex).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Pins file to write (default: FOLDER/pins.json "
+                                                              "for a folder, ./pins.json for a Hub repo).")] = None,
+    name: NameOpt = None,
+    trust_author_code: Annotated[Optional[str], typer.Option(
+        "--trust-author-code", help="Run a joint_schema_model.py the tool does not know: its exact sha256.")] = None,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Pin a release: a Hub commit from the Hub's metadata, or a local release folder; writes pins.json."""
+    from .errors import UsageError
+    from .pinning import pin_hub, pin_local
+
+    def go():
+        if Path(target).is_dir():
+            if revision is not None:
+                raise UsageError(f"{target}: a local folder has no --revision")
+            return pin_local(Path(target), out, name=name, trust_author=trust_author_code, overwrite=overwrite, log=_log)
+        if revision is None:
+            raise UsageError(f"{target}: not a folder here; to pin a Hub repo give --revision COMMIT")
+        path = out or Path("pins.json")
+        return pin_hub(target, revision, path, name=name, trust_author=trust_author_code, overwrite=overwrite,
+                       log=_log), path
+
+    p, path = _run(go)
+    if json_out:
+        _emit_json({"pins": str(path), **p.model_dump(mode="json")})
+    err.print(f"[bold green]pinned[/] {p.label}: {len(p.files)} files -> {path}")
+
+
 @app.command("verify-hashes")
-def verify_hashes(source: SourceOpt = None, pins: PinsOpt = PINS_DEFAULT, json_out: JsonOpt = False) -> None:
+def verify_hashes(source: SourceOpt = None, pins: PinsOpt = None, json_out: JsonOpt = False) -> None:
     """Streaming sha256 of every pinned file against the pins; exit 3 on a mismatch or a missing file."""
     from .pins import load_pins
     from .source import check_source, resolve_source
 
     def go():
-        p = load_pins(pins)
+        p = load_pins(_pins(pins, source))
         folder = resolve_source(source, p)
         return p, folder, check_source(folder, p)
 
@@ -139,7 +195,7 @@ def verify_hashes(source: SourceOpt = None, pins: PinsOpt = PINS_DEFAULT, json_o
                     "ok": all(c.ok for c in checks),
                     "files": [{"file": c.name, "expected": c.expected, "actual": c.actual, "ok": c.ok, "cause": c.cause} for c in checks]})
     else:
-        t = Table(title=f"{p.hf_id}@{p.revision[:12]}{' (synthetic)' if p.synthetic else ''}")
+        t = Table(title=f"{p.label}{' (synthetic)' if p.synthetic else ''}")
         for col in ("file", "expected", "actual", "ok"):
             t.add_column(col)
         for c in checks:
@@ -173,14 +229,14 @@ def synth(
         raise typer.Exit(2)
     pins = _run(lambda: write_synth(out_dir, config_name=config, seed=seed, author_code=author_code, overwrite=overwrite,
                                     lm_head_vocab=lm_head_vocab))
-    err.print(f"synthetic snapshot ({config}, seed {seed}) in {out_dir}; pins {out_dir / 'pins.json'} (revision {pins.revision[:12]})")
+    err.print(f"synthetic snapshot ({config}, seed {seed}) in {out_dir}; pins {out_dir / 'pins.json'} ({pins.label})")
 
 
 @app.command()
 def build(
     recipe: RecipeArg = None,
     source: SourceOpt = None,
-    pins: PinsOpt = PINS_DEFAULT,
+    pins: PinsOpt = None,
     out: Annotated[Path, typer.Option("--out", help="Output folder; the bundle lands in OUT/<recipe name>/.")] = Path("build"),
     overwrite: OverwriteOpt = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Check pins, source and output; build nothing.")] = False,
@@ -189,6 +245,7 @@ def build(
     aot_compile: Annotated[bool, typer.Option("--aot", help="AOT-compile after the build (macOS, Xcode 27).")] = False,
     format: Annotated[Optional[str], typer.Option(
         "--format", help=FORMAT_HELP + " Picks the format's recipe in conversion/ when none is named.")] = None,
+    name: NameOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Verify hashes, trace ClefHeadGraph per bucket, convert to one multi-function asset, write metadata.json."""
@@ -204,7 +261,7 @@ def build(
             raise UsageError(f"{recipe_path}: the recipe's format is {r.format}, not --format {format}")
         if aot_compile and not backend(r.format).AOT:
             raise UsageError(f"{recipe_path}: --aot compiles .aimodel assets with coreai-build; this recipe builds {r.format}")
-        cfg = BuildConfig(recipe=r, recipe_path=recipe_path, source=source, pins_path=pins, out=out,
+        cfg = BuildConfig(recipe=r, recipe_path=recipe_path, source=source, pins_path=_pins(pins, source), out=out, name=name,
                           overwrite=overwrite, dry_run=dry_run, verify=verify, verify_records=verify_records)
         if aot_compile and not dry_run:
             from .aot import find_coreai_build
@@ -268,7 +325,7 @@ def _print_report(report) -> None:
 def verify(
     bundle: Annotated[Path, typer.Argument(help="A built bundle folder (with metadata.json).")],
     source: SourceOpt = None,
-    pins: PinsOpt = PINS_DEFAULT,
+    pins: PinsOpt = None,
     records: Annotated[int, typer.Option("--records", help="Seeded random records per function.")] = 4,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     recorded: Annotated[Optional[Path], typer.Option("--recorded", help="An .npz of recorded records instead.")] = None,
@@ -283,7 +340,7 @@ def verify(
     if records < 1:
         err.print("[bold red]error:[/] --records must be >= 1")
         raise typer.Exit(2)
-    cfg = VerifyConfig(bundle=bundle, source=source, pins_path=pins, records=records, seed=seed, red=red, recorded=recorded)
+    cfg = VerifyConfig(bundle=bundle, source=source, pins_path=_pins(pins, source), records=records, seed=seed, red=red, recorded=recorded)
     report = _run(lambda: verify_bundle(cfg, log=_log))
     if transcript:
         _run(lambda: atomic_write_json(transcript, report.transcript))
@@ -323,11 +380,12 @@ def release(
     recipes: Annotated[Optional[list[Path]], typer.Argument(
         help="Recipe TOMLs, one bundle each (default: conversion/head_bucket_fp16w32.toml).")] = None,
     source: SourceOpt = None,
-    pins: PinsOpt = PINS_DEFAULT,
+    pins: PinsOpt = None,
     dist: Annotated[Path, typer.Option("--dist", help="The release folder.")] = Path("dist"),
     overwrite: OverwriteOpt = False,
     verify_records: VerifyRecordsOpt = None,
     aot_mode: Annotated[str, typer.Option("--aot", help="auto (when xcrun coreai-build exists), on, off.")] = "auto",
+    name: NameOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Build, verify, AOT where available, and write dist/ with SHA256SUMS for every file."""
@@ -340,8 +398,8 @@ def release(
 
     def go():
         paths = recipes or [DEFAULT_RECIPE]
-        return do_release(ReleaseConfig(recipes=tuple((load_recipe(p), p) for p in paths), source=source, pins_path=pins,
-                                        dist=dist, overwrite=overwrite, verify_records=verify_records, aot=aot_mode), log=_log)
+        return do_release(ReleaseConfig(recipes=tuple((load_recipe(p), p) for p in paths), source=source,
+                                        pins_path=_pins(pins, source), name=name, dist=dist, overwrite=overwrite, verify_records=verify_records, aot=aot_mode), log=_log)
 
     summary = _run(go)
     if json_out:
@@ -352,7 +410,7 @@ def release(
 @app.command("lm-head-table")
 def lm_head_table_cmd(
     source: SourceOpt = None,
-    pins: PinsOpt = PINS_DEFAULT,
+    pins: PinsOpt = None,
     out: Annotated[Path, typer.Option("--out", help="Folder for lm_head_fp16.bin and its sidecar.")] = Path("build/host"),
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
@@ -361,7 +419,8 @@ def lm_head_table_cmd(
     from .lm_head import lm_head_table
     from .pins import load_pins
 
-    result = _run(lambda: lm_head_table(source, load_pins(pins), pins, out, overwrite=overwrite, log=_log))
+    path = _pins(pins, source)
+    result = _run(lambda: lm_head_table(source, load_pins(path), path, out, overwrite=overwrite, log=_log))
     if json_out:
         _emit_json(result)
     err.print(f"[bold green]wrote[/] {result['table']}: {result['shape']} fp16, {result['bytes']:,} bytes, sha256 {result['sha256'][:16]}…")
@@ -397,7 +456,8 @@ def inspect(bundle: Annotated[Path, typer.Argument(help="A built bundle folder."
         return
     err.print(f"[bold]{info['name']}[/] ({info['kind']}, {info['format']}), weights {info['weights']}, "
               f"{info['asset_bytes']:,} bytes")
-    err.print(f"source: {info['source']['hf_id']}@{info['source']['revision'][:12]}")
+    src = info["source"]
+    err.print(f"source: {src['hf_id']}" + (f"@{src['revision'][:12]}" if src.get("revision") else " (local release)"))
     t = Table()
     for col in ("function", "inputs", "outputs"):
         t.add_column(col)

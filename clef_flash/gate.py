@@ -24,6 +24,7 @@ import numpy as np
 
 from .errors import NumericError
 from .host import head_inputs, question_probs
+from .manifest import pads
 from .records import LEXICAL_VOCAB, Record, author_logits, load_recorded, random_records
 
 TOLERANCES: dict[str, tuple[float, str]] = {
@@ -163,12 +164,14 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
     table_np = np.random.default_rng([cfg.seed, 7]).standard_normal((LEXICAL_VOCAB, hidden_size), dtype=np.float32)
     table = torch.from_numpy(table_np)
     funcs = [(name, b) for name, b in manifest.head.buckets if cfg.functions is None or name in cfg.functions]
+    q_pad, o_pad = pads(manifest.head)  # the bundle's own pads, not the published ones
     async with runner(asset, [name for name, _ in funcs]) as call:
         jobs: list[tuple[str, int, str, Any]] = []  # (function, record, arm, HostInputs)
         for idx, (name, bucket) in enumerate(funcs):
             lower = funcs[idx - 1][1] if idx > 0 else 0
-            for r_i, rec in enumerate(records_for(bucket, lower, hidden_size)):
-                hi = head_inputs(rec.hidden, rec.ids, rec.questions, table_np, bucket)
+            for r_i, rec in enumerate(records_for(bucket, lower, hidden_size, q_pad, o_pad)):
+                hi = head_inputs(rec.hidden, rec.ids, rec.questions, table_np, bucket, q_pad=q_pad, o_pad=o_pad,
+                                 buckets=tuple(b for _, b in manifest.head.buckets))
                 jobs.append((name, r_i, "main", (rec, hi)))
                 if r_i == 0:
                     jobs.append((name, r_i, "rerun", (rec, hi)))
@@ -244,8 +247,9 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
             and src.joint_head_safetensors_sha256 == pins.files[WEIGHTS_FILE]
             and src.joint_head_config_sha256 == pins.files[CONFIG_FILE])
     checks.append(("manifest source = files loaded", same,
-                   "ok" if same else f"manifest names {src.hf_id}@{src.revision[:12]}, weights {src.joint_head_safetensors_sha256[:12]}…"
-                                     f"; loaded {pins.hf_id}@{pins.revision[:12]}, weights {pins.files[WEIGHTS_FILE][:12]}…"))
+                   "ok" if same else f"manifest names {src.hf_id}@{(src.revision or 'local')[:12]}, weights "
+                                     f"{src.joint_head_safetensors_sha256[:12]}…; loaded {pins.label}, weights "
+                                     f"{pins.files[WEIGHTS_FILE][:12]}…"))
 
     module, config, head = load_head(source, pins, torch.float32)
     recorded = load_recorded(cfg.recorded) if cfg.recorded else None
@@ -257,10 +261,10 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
     why_not = fmt.cannot_run()
     notes = [f"outputs not compared: {why_not}"] if why_not else []
 
-    def records_for(bucket: int, lower: int, hidden_size: int) -> list[Record]:
+    def records_for(bucket: int, lower: int, hidden_size: int, q_pad: int, o_pad: int) -> list[Record]:
         if recorded is not None:
             return [r for r in recorded if lower < len(r.ids) <= bucket]
-        return random_records(cfg.records, bucket, lower, hidden_size, LEXICAL_VOCAB, cfg.seed)
+        return random_records(cfg.records, bucket, lower, hidden_size, LEXICAL_VOCAB, cfg.seed, q_pad, o_pad)
 
     results: list[FunctionResult] = []
     if not why_not:

@@ -24,12 +24,14 @@ import numpy as np
 
 from .author import read_verified
 from .bundle import atomic_write_json, check_output_path, output_lock, staged_files
-from .errors import IntegrityError, NumericError, OutputError
+from .errors import IntegrityError, NumericError, OutputError, UsageError
 from .digest import sha256_file
 from .pins import Pins
 
 INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
 TENSOR = "lm_head.weight"
+NO_LM_HEAD = "the release ties its embeddings to lm_head or has none; there is no table to write"
 TABLE_FILE = "lm_head_fp16.bin"
 SIDECAR_FILE = "lm_head_fp16.json"
 
@@ -73,6 +75,8 @@ def _pinned(pins: Pins, pins_path: Path, name: str) -> str:
 def _locate(name: str, source: Path | None, pins: Pins) -> Path:
     if source is not None:
         return Path(source) / name
+    if pins.revision is None:
+        raise UsageError(f"{pins.hf_id}: a local release; pass --source with its folder")
     from huggingface_hub import hf_hub_download
 
     return Path(hf_hub_download(pins.hf_id, name, revision=pins.revision))
@@ -86,7 +90,7 @@ def _header(path: Path) -> tuple[list[int], str, int]:
     try:
         with safe_open(str(path), framework="numpy") as f:
             if TENSOR not in f.keys():
-                raise IntegrityError(f"{path}: has no tensor {TENSOR}")
+                raise IntegrityError(f"{path}: has no tensor {TENSOR}: {NO_LM_HEAD}")
             shape = list(f.get_slice(TENSOR).get_shape())
     except SafetensorError as exc:
         raise IntegrityError(f"{path}: corrupt safetensors ({exc})") from None
@@ -119,13 +123,22 @@ def lm_head_table(source: Path | None, pins: Pins, pins_path: Path, out: Path, *
             check_output_path(p, overwrite)
     else:
         check_output_path(out, overwrite=False)
-    index_path = _locate(INDEX_FILE, source, pins)
-    index_sha = _pinned(pins, pins_path, INDEX_FILE)
-    try:
-        index = json.loads(read_verified(index_path, index_sha))
-        shard = index["weight_map"][TENSOR]
-    except (ValueError, KeyError, TypeError):
-        raise IntegrityError(f"{index_path}: no weight_map entry for {TENSOR}") from None
+    index_sha = None
+    if (pins.release or {}).get("lm_head_file", "") is None:  # `pin` looked, and found no lm_head.weight
+        raise IntegrityError(f"{pins_path}: {TENSOR} is in none of the release's checkpoint files: {NO_LM_HEAD}")
+    if INDEX_FILE in pins.files or SINGLE_FILE not in pins.files:
+        index_sha = _pinned(pins, pins_path, INDEX_FILE)  # before any download: unpinned bytes are never read
+        index_path = _locate(INDEX_FILE, source, pins)
+        try:
+            index = json.loads(read_verified(index_path, index_sha))
+            weight_map = index["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise IntegrityError(f"{index_path}: not a safetensors index (no weight_map)") from None
+        shard = weight_map.get(TENSOR) if isinstance(weight_map, dict) else None
+        if shard is None:
+            raise IntegrityError(f"{index_path}: no weight_map entry for {TENSOR}: {NO_LM_HEAD}")
+    else:
+        shard = SINGLE_FILE  # one checkpoint file, no index (clef-finetune make-tiny)
     shard_sha = _pinned(pins, pins_path, shard)
     shard_path = _locate(shard, source, pins)
     t0 = time.perf_counter()

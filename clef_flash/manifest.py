@@ -6,10 +6,11 @@ format and writes the JSON Schemas in ``manifests/``.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from . import contract
 from .digest import sha256_file
@@ -19,10 +20,21 @@ from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
 METADATA_VERSION = "0.2"
 KIND = "decision-head"
 GRAPH_TEXT = "clef_flash/graph.py ClefHeadGraph: the author's JointSchemaHead for one record, tensor inputs only"
-HOST_PAD_RULE = (
-    "T to the smallest bucket >= T (512, 1024, 2048, 4096), Q to 16, O to 128; "
-    "padding rows / columns zero, their valid flags 0"
-)
+def host_pad_rule(buckets: tuple[int, ...], q_pad: int, o_pad: int) -> str:
+    """How a host pads a record for this bundle (the published text for the published recipe)."""
+    return (f"T to the smallest bucket >= T ({', '.join(str(b) for b in buckets)}), Q to {q_pad}, O to {o_pad}; "
+            "padding rows / columns zero, their valid flags 0")
+
+
+_PADS = re.compile(r", Q to (\d+), O to (\d+);")
+
+
+def pads(head: "Head") -> tuple[int, int]:
+    """(Q, O) of a bundle, read back from its ``host_pad_rule`` (written by ``host_pad_rule``)."""
+    m = _PADS.search(head.host_pad_rule)
+    if m is None:
+        raise ValueError(f"host_pad_rule names no Q / O pads: {head.host_pad_rule!r}")
+    return int(m.group(1)), int(m.group(2))
 SOFTMAX_TEXT = "host: per question, fp32, over that question's options"
 LEXICAL_TEXT = "host: lm_head_fp16.bin rows of each option span's ids, averaged (clef_head.lexical_rows)"
 OUTPUT_TEXT = "[O] f32; padding options 0"
@@ -34,12 +46,29 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class LocalOrigin(Strict):
+    """A source that is a local release folder, not a Hub commit (absent for a Hub commit)."""
+
+    kind: Literal["local"]
+    name: str
+    release: dict[str, Any] | None = None  # what the folder says of itself: CLEF_FINETUNE.json facts, tiny marker
+
+
 class Source(Strict):
     hf_id: str
-    revision: str = Field(pattern=r"^[0-9a-f]{40}$")
+    revision: str | None = Field(pattern=r"^[0-9a-f]{40}$")  # the Hub commit; null for a local release
     joint_schema_model_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     joint_head_safetensors_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     joint_head_config_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    origin: LocalOrigin | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_hub_origin(self, handler):
+        # a Hub commit's source keeps the published keys exactly; only a local release says more
+        data = handler(self)
+        if data.get("origin") is None:
+            data.pop("origin", None)
+        return data
 
 
 class Head(Strict):
@@ -106,10 +135,12 @@ def source_section(pins: Pins) -> Source:
         joint_schema_model_sha256=pins.files[CODE_FILE],
         joint_head_safetensors_sha256=pins.files[WEIGHTS_FILE],
         joint_head_config_sha256=pins.files[CONFIG_FILE],
+        origin=LocalOrigin(kind="local", name=pins.release_name, release=pins.release) if pins.origin == "local" else None,
     )
 
 
-def head_section(*, buckets: tuple[int, ...], weights: str, source: Source, hidden_size: int = 4096) -> Head:
+def head_section(*, buckets: tuple[int, ...], weights: str, source: Source, hidden_size: int = 4096,
+                 q_pad: int = contract.Q_PAD, o_pad: int = contract.O_PAD) -> Head:
     """Everything that describes the head; equal to the published values for the published recipe."""
     return Head(
         graph=GRAPH_TEXT,
@@ -118,7 +149,7 @@ def head_section(*, buckets: tuple[int, ...], weights: str, source: Source, hidd
         buckets=[(contract.function_name(b), b) for b in buckets],
         dims=None,
         host_pad="bucket",
-        host_pad_rule=HOST_PAD_RULE,
+        host_pad_rule=host_pad_rule(buckets, q_pad, o_pad),
         inputs={name: contract.spec_text(name, hidden_size) for name in contract.INPUT_ORDER},
         input_order=list(contract.INPUT_ORDER),
         outputs={"logits": OUTPUT_TEXT},
@@ -130,14 +161,15 @@ def head_section(*, buckets: tuple[int, ...], weights: str, source: Source, hidd
 
 
 def common_fields(*, name: str, asset: str, buckets: tuple[int, ...], weights: str, pins: Pins, hidden_size: int,
-                  date: str) -> dict[str, Any]:
+                  date: str, q_pad: int = contract.Q_PAD, o_pad: int = contract.O_PAD) -> dict[str, Any]:
     """The keys every bundle's manifest has, whatever its format; a backend adds ``export``."""
     return {
         "metadata_version": METADATA_VERSION,
         "kind": KIND,
         "name": name,
         "assets": {"main": asset},
-        "head": head_section(buckets=buckets, weights=weights, source=source_section(pins), hidden_size=hidden_size),
+        "head": head_section(buckets=buckets, weights=weights, source=source_section(pins), hidden_size=hidden_size,
+                             q_pad=q_pad, o_pad=o_pad),
         "aot": None,
         "compilation": Compilation(date=date, targets=[]),
     }

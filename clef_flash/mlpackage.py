@@ -36,7 +36,7 @@ from pydantic import Field
 from . import contract
 from .digest import tree_bytes
 from .errors import IntegrityError, ToolchainError
-from .manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file
+from .manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file, pads
 
 FORMAT = "mlpackage"
 SUFFIX = ".mlpackage"
@@ -498,7 +498,8 @@ def check_weights(info: PackageInfo, weights: str, params: dict[str, np.ndarray]
 def read_back(asset: Path, m: Manifest, hidden_size: int, params: dict[str, np.ndarray]) -> list[tuple[str, bool, str]]:
     """What a Core ML host will see, from the saved spec: functions, inputs, outputs, fp32 math,
     and every stored weight against the author's."""
-    return check_package(read_package(asset), m.head.buckets, hidden_size, m.head.weights, params)
+    q_pad, o_pad = pads(m.head)
+    return check_package(read_package(asset), m.head.buckets, hidden_size, m.head.weights, params, q_pad, o_pad)
 
 
 def cannot_run() -> str | None:

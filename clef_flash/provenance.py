@@ -49,9 +49,10 @@ def build_date() -> str:
 
 def asset_description(pins: Pins) -> dict[str, str]:
     """What the asset itself says about its origin (a synthetic source is labelled as such)."""
-    label = "SYNTHETIC weights (not the real checkpoint)" if pins.synthetic else "Cloudflare clef-flash"
+    label = ("SYNTHETIC weights (not the real checkpoint)" if pins.synthetic
+             else "a local release" if pins.origin == "local" else "Cloudflare clef-flash")
     return {"author": "clef-export", "license": "Apache-2.0", "version": __version__,
-            "description": f"clef-flash joint schema head, {label}, {pins.hf_id}@{pins.revision}",
+            "description": f"clef-flash joint schema head, {label}, {pins.label}",
             "synthetic": "true" if pins.synthetic else "false"}
 
 
@@ -71,6 +72,8 @@ def build_record(recipe: Any, recipe_path: Path, pins: Pins, outputs: dict[str, 
         "source": {
             "hf_id": pins.hf_id,
             "revision": pins.revision,
+            "origin": pins.origin,
+            "release": pins.release,
             "synthetic": pins.synthetic,
             "files": {name: {"sha256": digest} for name, digest in sorted(pins.files.items())},
         },

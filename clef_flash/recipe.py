@@ -9,9 +9,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .contract import BUCKETS, O_PAD, Q_PAD, Shape
+from .data import data_dir
 from .errors import UsageError, first_validation_error
 
-CONVERSION = Path(__file__).resolve().parent.parent / "conversion"
+CONVERSION = data_dir("conversion")
 DEFAULT_RECIPE = CONVERSION / "head_bucket_fp16w32.toml"
 
 
@@ -28,6 +29,9 @@ def _default_format() -> str:
     return DEFAULT_FORMAT
 
 
+RELEASE = "{release}"
+
+
 class VerifyPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     enabled: bool = True
@@ -38,7 +42,9 @@ class VerifyPlan(BaseModel):
 class Recipe(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    # the bundle's name; ``{release}`` stands for the release's name (``clef_flash`` for
+    # Cloudflare/clef-flash, a local release's ``--name``)
+    name: str = Field(pattern=r"^(\{release\}|[A-Za-z0-9])[A-Za-z0-9_.-]*$")
     shape: Literal["bucket"] = "bucket"
     buckets: tuple[int, ...] = BUCKETS
     q_pad: int = Field(default=Q_PAD, ge=1)
@@ -59,9 +65,14 @@ class Recipe(BaseModel):
     @field_validator("name")
     @classmethod
     def _plain_name(cls, v: str) -> str:
-        if v in (".", "..") or PurePath(v).name != v:
-            raise ValueError("name must be a plain folder name")
+        plain = v.replace(RELEASE, "x")
+        if plain in (".", "..") or PurePath(plain).name != plain or RELEASE in v[len(RELEASE):]:
+            raise ValueError("name must be a plain folder name ({release} only at its start)")
         return v
+
+    def bundle_name(self, release: str) -> str:
+        """The bundle's folder name for a release named ``release``."""
+        return self.name.replace(RELEASE, release)
 
     @property
     def shape_contract(self) -> Shape:

@@ -27,16 +27,19 @@ class ReleaseConfig:
     overwrite: bool = False
     verify_records: int | None = None
     aot: str = "auto"  # auto: when `xcrun -f coreai-build` finds one; on: required; off
+    name: str | None = None  # the release's name in the bundles' names (default: the pins')
 
 
 def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
     """Every recipe built and verified into one staged ``dist/``; AOT for the ``.aimodel`` ones."""
     from .aot import AotConfig, aot_compile, find_coreai_build
-    from .build import BuildConfig, build
+    from .build import BuildConfig, build, bundle_name
+    from .pins import load_pins
 
     dist = Path(cfg.dist)
     check_output_path(dist, cfg.overwrite)
-    names = [r.name for r, _ in cfg.recipes]
+    pins = load_pins(cfg.pins_path)
+    names = [bundle_name(r, pins, cfg.name) for r, _ in cfg.recipes]
     if not names or len(set(names)) != len(names):
         raise UsageError(f"release needs one or more recipes with distinct names, got {names}")
     compilable = any(backend(r.format).AOT for r, _ in cfg.recipes)
@@ -56,7 +59,7 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
         for recipe, recipe_path in cfg.recipes:
             result = build(BuildConfig(recipe=recipe, recipe_path=recipe_path, source=cfg.source,
                                        pins_path=cfg.pins_path, out=tmp, verify=True,
-                                       verify_records=cfg.verify_records), log=log)
+                                       verify_records=cfg.verify_records, name=cfg.name), log=log)
             if not result.record.get("verify", {}).get("ok"):
                 raise ToolchainError(f"{result.bundle}: the gate did not run; a release needs it")
             if do_aot and backend(recipe.format).AOT:

@@ -84,6 +84,8 @@ def require_verified(source: Path, pins: Pins, names: tuple[str, ...] | None = H
 
 
 def _check_revision(pins: Pins, revision: str | None, allow_unpinned: bool) -> str:
+    if pins.revision is None:
+        raise UsageError(f"{pins.hf_id}: a local release, not a Hub commit; there is nothing to fetch")
     rev = revision or pins.revision
     if rev != pins.revision and not allow_unpinned:
         raise UsageError(
@@ -129,7 +131,7 @@ def fetch(
             removed = remove_copy(existing)
             log(f"{existing}: the copy already there does not match its pin; removed "
                 f"{', '.join(str(p) for p in removed)} and downloading it again")
-        path = _download(pins.hf_id, name, rev, where, cache_dir, local_dir)
+        path = download_file(pins.hf_id, name, rev, where, cache_dir, local_dir)
         actual = sha256_file(path)
         if actual != pins.files[name]:
             removed = remove_copy(path)
@@ -142,7 +144,7 @@ def fetch(
     return folder
 
 
-def _download(repo: str, name: str, rev: str, where: str, cache_dir: Path | None, local_dir: Path | None) -> Path:
+def download_file(repo: str, name: str, rev: str, where: str, cache_dir: Path | None, local_dir: Path | None) -> Path:
     """One ``hf_hub_download`` by commit; its failures as one-line ``IntegrityError``s."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import (
@@ -201,4 +203,6 @@ def resolve_source(source: Path | None, pins: Pins) -> Path:
     """An explicit ``--source`` folder, else the pinned snapshot in the HF cache."""
     if source is not None:
         return Path(source)
+    if pins.revision is None:
+        raise UsageError(f"{pins.hf_id}: a local release; pass --source with its folder")
     return cached_snapshot(pins)

@@ -71,17 +71,24 @@ def synth_lm_head(vocab: int, hidden: int, seed: int):
 LM_HEAD_SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
 
 
-def write_synth(out: Path, *, config_name: str, seed: int, author_code: Path, overwrite: bool = False,
+def _config(config_name: str | dict) -> tuple[str, dict]:
+    if isinstance(config_name, dict):
+        return "custom", dict(config_name)
+    if config_name not in CONFIGS:
+        raise ValueError(f"unknown config {config_name!r}; expected one of {sorted(CONFIGS)}")
+    return config_name, dict(CONFIGS[config_name])
+
+
+def write_synth(out: Path, *, config_name: str | dict, seed: int, author_code: Path, overwrite: bool = False,
                 lm_head_vocab: int | None = None) -> Pins:
-    """Write a snapshot-shaped folder and its pins (``pins.json``) atomically; return the pins."""
+    """Write a snapshot-shaped folder and its pins (``pins.json``) atomically; return the pins.
+    ``config_name`` names a configuration in ``contract.CONFIGS`` or is the configuration itself."""
     import torch
     from safetensors.torch import save
 
     from .author import load_author_module
 
-    if config_name not in CONFIGS:
-        raise ValueError(f"unknown config {config_name!r}; expected one of {sorted(CONFIGS)}")
-    config = dict(CONFIGS[config_name])
+    config_name, config = _config(config_name)
     out = Path(out)
     check_output_path(out, overwrite)
     code = read_verified(Path(author_code), AUTHOR_SHA256, "refusing to copy it")
@@ -102,6 +109,7 @@ def write_synth(out: Path, *, config_name: str, seed: int, author_code: Path, ov
         revision=revision,
         files=files,
         synthetic=True,
+        name="clef_flash",  # bundles of the synthetic head carry the published names
         note=f"SYNTHETIC: random bf16 weights, config {config_name}, seed {seed}; not the real checkpoint",
     )
     with output_lock(out), staged_dir(out, overwrite) as tmp:
@@ -137,3 +145,74 @@ def _config_model(config: dict):
     from .author import HeadConfig
 
     return HeadConfig.model_validate(config)
+
+
+# The files a clef-finetune release folder holds besides the head's (the backbone itself is not
+# needed to export or check the head: config.json says what it is, model.safetensors carries
+# the embeddings and lm_head.weight the host's lexical table comes from).
+RELEASE_PROVENANCE = "CLEF_FINETUNE.json"
+RELEASE_TINY_MARKER = "TINY_RANDOM_MODEL.txt"
+
+
+def write_release(out: Path, *, config_name: str | dict, seed: int, author_code: Path, vocab: int = 512,
+                  layout: str = "single", overwrite: bool = False) -> Path:
+    """A release folder in clef-finetune's layout, with random weights: ``config.json``, the
+    backbone's ``model.safetensors`` (``single``; ``sharded`` with an index; ``tied``: no
+    ``lm_head.weight``), the head's three files as ``merge`` writes them (the author's unmodified
+    file, ``joint_head_config.json`` without ``dropout``), ``CLEF_FINETUNE.json`` and the
+    tiny-random marker. No pins: ``clef-export pin`` makes them. ``CLEF_FINETUNE.json`` names this
+    writer as its tool: nothing here claims to be clef-finetune's output."""
+    import torch
+    from safetensors.torch import save_file
+
+    from .author import load_author_module
+
+    if layout not in ("single", "sharded", "tied"):
+        raise ValueError(f"layout must be single, sharded or tied, got {layout!r}")
+    name, config = _config(config_name)
+    config.pop("dropout", None)  # clef-finetune writes the constructor's arguments without it
+    out = Path(out)
+    check_output_path(out, overwrite)
+    code = read_verified(Path(author_code), AUTHOR_SHA256, "refusing to copy it")
+    module = load_author_module(Path(author_code), AUTHOR_SHA256)
+    state = synth_state({**config, "dropout": 0.0}, seed, module)
+    hidden = int(config["hidden_size"])
+    gen = torch.Generator().manual_seed(seed + 1)
+    embed = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(torch.bfloat16)
+    backbone = {"model.language_model.embed_tokens.weight": embed,
+                "model.language_model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    if layout != "tied":
+        backbone["lm_head.weight"] = synth_lm_head(vocab, hidden, seed)
+    with output_lock(out), staged_dir(out, overwrite) as tmp:
+        (tmp / CODE_FILE).write_bytes(code)
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        meta = {"format": "pt"}
+        if layout == "sharded":
+            from .lm_head import INDEX_FILE
+
+            shards = {"model-00001-of-00002.safetensors": {k: v for k, v in backbone.items() if k != "lm_head.weight"},
+                      "model-00002-of-00002.safetensors": {"lm_head.weight": backbone["lm_head.weight"]}}
+            for shard, tensors in shards.items():
+                save_file(tensors, str(tmp / shard), metadata=meta)
+            index = {"metadata": {"total_size": sum(t.numel() * 2 for t in backbone.values())},
+                     "weight_map": {k: shard for shard, tensors in shards.items() for k in tensors}}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        else:
+            save_file(backbone, str(tmp / "model.safetensors"), metadata=meta)
+        (tmp / "config.json").write_text(json.dumps({
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": {"hidden_size": hidden, "vocab_size": vocab, "tie_word_embeddings": layout == "tied"},
+            "tie_word_embeddings": layout == "tied",
+        }, indent=2, sort_keys=True) + "\n")
+        (tmp / RELEASE_PROVENANCE).write_text(json.dumps({
+            "tool": "clef-export synth (clef-finetune's release layout, random weights)",
+            "base_model": "synthetic/tiny-backbone",
+            "checkpoint": f"synthetic-seed{seed}",
+            "dtype": "bfloat16",
+            "head_dtype": "bfloat16",
+            "joint_schema_model_sha256": sha256_bytes(code),
+            "train_config": {"config": name, "seed": seed},
+        }, indent=2, sort_keys=True) + "\n")
+        (tmp / RELEASE_TINY_MARKER).write_text("A tiny random model for tests: its answers mean nothing.\n")
+    return out

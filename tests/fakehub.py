@@ -4,7 +4,9 @@ Serves ``HEAD``/``GET /{repo}/resolve/{revision}/{file}`` with the headers huggi
 (``X-Repo-Commit``, ``ETag``, ``Content-Length``). ``faults[file]`` picks a misbehaviour:
 ``404-entry``, ``404-revision``, ``500``, ``reset`` (connection cut mid-body), ``corrupt``
 (same size, one byte flipped), ``corrupt-once`` (corrupt for one download, right afterwards),
-``slow`` (a delay before the body).
+``slow`` (a delay before the body), ``tamper`` (other bytes than the ones paths-info describes).
+``POST /api/models/{repo}/paths-info/{revision}`` answers like the Hub: ``*.safetensors`` are LFS
+files (``lfs.oid`` = sha256), the rest are git files (``oid`` = git blob sha1).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote
+import json
+from urllib.parse import parse_qs, unquote
 
 
 class FakeHub:
@@ -46,6 +49,8 @@ class FakeHub:
                 if fault == "500":
                     return self._error(500, None, "Internal Error")
                 data = f.read_bytes()
+                if fault == "tamper":
+                    data = data + b"\n# appended by a man in the middle\n"
                 if fault in ("corrupt", "corrupt-once"):
                     data = data[:-1] + bytes([data[-1] ^ 0x01])
                     if fault == "corrupt-once" and body:
@@ -79,6 +84,33 @@ class FakeHub:
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(payload)
+
+            def do_POST(self):
+                path = unquote(self.path.split("?")[0])
+                hub.requests.append((self.command, path))
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0)).decode()
+                prefix = f"/api/models/{hub.repo}/paths-info/"
+                if not path.startswith(prefix):
+                    return self._error(404, "RepoNotFound", "Repository not found")
+                if path[len(prefix):] != hub.revision:
+                    return self._error(404, "RevisionNotFound", "Invalid rev id")
+                out = []
+                for name in parse_qs(body).get("paths", []):
+                    f = hub.folder / name
+                    if not f.is_file():
+                        continue  # the Hub leaves out paths it does not have
+                    data = f.read_bytes()
+                    entry = {"type": "file", "path": name, "size": len(data),
+                             "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+                    if name.endswith(".safetensors"):
+                        entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+                    out.append(entry)
+                payload = json.dumps(out).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
 
             def do_HEAD(self):
                 self._route(body=False)
