@@ -61,7 +61,11 @@ class Pins(BaseModel):
     def release_name(self) -> str:
         """The name bundles of this release start with: ``name``, else the repo's name
         (``Cloudflare/clef-flash`` -> ``clef_flash``)."""
-        return self.name or self.hf_id.rsplit("/", 1)[-1].replace("-", "_").replace(".", "_")
+        if self.name:
+            return self.name
+        if self.synthetic:  # a synthetic snapshot stands in for clef-flash: the published names
+            return "clef_flash"
+        return self.hf_id.rsplit("/", 1)[-1].replace("-", "_").replace(".", "_")
 
     @field_validator("files")
     @classmethod
