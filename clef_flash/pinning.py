@@ -191,19 +191,11 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
 
 def _paths_info(hf_id: str, revision: str, paths: list[str], where: str) -> dict[str, Any]:
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
 
-    try:
+    from .source import hub_errors
+
+    with hub_errors(hf_id, revision, where, "the Hub's file metadata"):
         found = HfApi().get_paths_info(hf_id, paths, revision=revision)
-    except RevisionNotFoundError:
-        raise IntegrityError(f"{hf_id}@{revision}: commit not found on the Hub") from None
-    except RepositoryNotFoundError:
-        raise IntegrityError(f"{hf_id}: repository not found on the Hub") from None
-    except HfHubHTTPError as exc:
-        code = getattr(getattr(exc, "response", None), "status_code", "?")
-        raise IntegrityError(f"{where}: the Hub's file metadata failed (HTTP {code})") from None
-    except Exception as exc:  # no route, reset, timeout
-        raise IntegrityError(f"{where}: the Hub's file metadata failed ({type(exc).__name__}: {exc})") from None
     return {f.path: f for f in found if hasattr(f, "blob_id")}
 
 

@@ -6,6 +6,7 @@ after every download and before every use.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,9 +145,9 @@ def fetch(
     return folder
 
 
-def download_file(repo: str, name: str, rev: str, where: str, cache_dir: Path | None, local_dir: Path | None) -> Path:
-    """One ``hf_hub_download`` by commit; its failures as one-line ``IntegrityError``s."""
-    from huggingface_hub import hf_hub_download
+@contextlib.contextmanager
+def hub_errors(repo: str, rev: str, where: str, what: str = "download"):
+    """huggingface_hub's failures as one-line ``IntegrityError``s naming ``where``."""
     from huggingface_hub.errors import (
         EntryNotFoundError,
         HfHubHTTPError,
@@ -156,23 +157,31 @@ def download_file(repo: str, name: str, rev: str, where: str, cache_dir: Path | 
     )
 
     try:
-        return Path(hf_hub_download(repo, name, revision=rev, cache_dir=str(cache_dir) if cache_dir else None,
-                                    local_dir=str(local_dir) if local_dir else None))
+        yield
     except RevisionNotFoundError:
-        raise IntegrityError(f"{repo}@{rev}: revision not found on the Hub (fetching {name})") from None
+        raise IntegrityError(f"{repo}@{rev}: revision not found on the Hub ({what} of {where})") from None
     except LocalEntryNotFoundError as exc:  # before EntryNotFoundError: it is a subclass
         if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
             raise IntegrityError(f"{where}: not in the cache and HF_HUB_OFFLINE is set; run `clef-export fetch` online") from None
-        raise IntegrityError(f"{where}: download failed ({_cause(exc)})") from None
+        raise IntegrityError(f"{where}: {what} failed ({_cause(exc)})") from None
     except EntryNotFoundError:
         raise IntegrityError(f"{where}: file not found on the Hub") from None
     except RepositoryNotFoundError:
         raise IntegrityError(f"{repo}: repository not found on the Hub") from None
     except HfHubHTTPError as exc:
         code = getattr(getattr(exc, "response", None), "status_code", "?")
-        raise IntegrityError(f"{where}: download failed (HTTP {code})") from None
+        raise IntegrityError(f"{where}: {what} failed (HTTP {code})") from None
     except Exception as exc:  # connection reset, timeout, truncated body: all mean "no verified file"
-        raise IntegrityError(f"{where}: download failed ({_cause(exc)})") from None
+        raise IntegrityError(f"{where}: {what} failed ({_cause(exc)})") from None
+
+
+def download_file(repo: str, name: str, rev: str, where: str, cache_dir: Path | None, local_dir: Path | None) -> Path:
+    """One ``hf_hub_download`` by commit; its failures as one-line ``IntegrityError``s."""
+    from huggingface_hub import hf_hub_download
+
+    with hub_errors(repo, rev, where):
+        return Path(hf_hub_download(repo, name, revision=rev, cache_dir=str(cache_dir) if cache_dir else None,
+                                    local_dir=str(local_dir) if local_dir else None))
 
 
 def _cause(exc: BaseException) -> str:

@@ -5,7 +5,6 @@ the Core AI runtime by `clef-export build` (its gate) and `verify`."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -54,14 +54,21 @@ def test_too_little_space_refused_before_work(tmp_path, tiny_source):
         assert [p.name for p in small.iterdir() if not p.name.endswith(".lock")] == []
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
-def test_read_only_output_refused_before_work(tmp_path, tiny_source):
+@contextlib.contextmanager
+def read_only(tmp_path: Path):
+    """A folder bind-mounted onto itself, then remounted read-only."""
     ro = tmp_path / "ro"
     ro.mkdir()
     with mounted(ro, "--bind", str(ro)):
         r = subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True, text=True)
         if r.returncode != 0:
             pytest.skip("cannot remount read-only here")
+        yield ro
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+def test_read_only_output_refused_before_work(tmp_path, tiny_source):
+    with read_only(tmp_path) as ro:
         r = build(tiny_source, ro)
         assert r.returncode == 2, r.stderr[-1500:]
         assert "not writable" in r.stderr and str(ro) in r.stderr
@@ -108,12 +115,7 @@ def test_table_disk_full_names_the_file_and_leaves_nothing(tmp_path, tiny_source
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
 def test_table_read_only_folder_refused_before_work(tmp_path, tiny_source):
-    ro = tmp_path / "ro"
-    ro.mkdir()
-    with mounted(ro, "--bind", str(ro)):
-        r = subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True, text=True)
-        if r.returncode != 0:
-            pytest.skip("cannot remount read-only here")
+    with read_only(tmp_path) as ro:
         r = table(tiny_source, ro)
         assert r.returncode == 2, r.stderr[-1500:]
         assert "not writable" in r.stderr and str(ro) in r.stderr and "->" not in r.stderr

@@ -63,7 +63,7 @@ def test_pin_refuses_a_tampered_small_file_and_a_branch(tmp_path, hub, tiny_sour
     r, _ = run_cli(["pin", want["hf_id"], "--revision", "main", "--out", out], "http://127.0.0.1:9", tmp_path / "hf")
     assert r.returncode == 2 and "pin a commit" in r.stderr and not out.exists()
     r, _ = run_cli(["pin", want["hf_id"], "--revision", "0" * 40, "--out", out], hub.endpoint, tmp_path / "hf")
-    assert r.returncode == 3 and "commit not found" in r.stderr and not out.exists()
+    assert r.returncode == 3 and "revision not found on the Hub" in r.stderr and not out.exists()
 
 
 def _release(tmp_path: Path, author_code: Path, layout: str = "single", name: str = "rel") -> Path:
