@@ -8,6 +8,7 @@ space) before any heavy work. The bundle is built in a temporary sibling folder
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -17,14 +18,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from . import contract
+from .author import check_author_trusted
 from .backends import backend
 from .bundle import atomic_write_json, check_output_path, output_lock, staged_dir
 from .digest import sha256_file, tree_files
-from .errors import OutputError
+from .errors import OutputError, UsageError
 from .gate import VerifyConfig, verify_bundle
 from .layout import MANIFEST_FILE, RECORD_FILE
 from .manifest import Seconds, common_fields
-from .author import check_author_trusted
 from .pins import CODE_FILE, WEIGHTS_FILE, load_pins
 from .provenance import build_date, build_record
 from .recipe import Recipe
@@ -55,10 +56,8 @@ class BuildResult:
 
 def bundle_name(recipe: Recipe, pins, name: str | None = None) -> str:
     """The recipe's name for this release: ``--name``, else the pins' release name."""
-    from .errors import UsageError
-
     release = name or pins.release_name
-    if not release.replace("_", "").isalnum():
+    if not re.fullmatch(r"[A-Za-z0-9_]+", release):
         raise UsageError(f"release name {release!r}: letters, digits and _ only")
     return recipe.bundle_name(release)
 

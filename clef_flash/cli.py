@@ -18,7 +18,6 @@ from rich.table import Table
 
 from .errors import ClefError
 
-
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -93,6 +92,8 @@ def _pins(pins: Optional[Path], source: Optional[Path] = None) -> Path:
     if source is not None and (Path(source) / "pins.json").is_file():
         return Path(source) / "pins.json"
     return default_pins()
+
+
 SourceOpt = Annotated[Optional[Path], typer.Option("--source", help="Snapshot folder (default: the pinned revision in the HF cache).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
 RecipeArg = Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")]

@@ -92,7 +92,7 @@ def pin_local(folder: Path, out: Path | None = None, *, name: str | None = None,
     if not folder.is_dir():
         raise UsageError(f"{folder}: release folder not found")
     out = Path(out) if out is not None else folder / "pins.json"
-    check_output_path(out, overwrite)
+    check_output_path(out, overwrite)  # before hashing gigabytes; checked again right before writing
     release_name = _name(folder, name)
     files: dict[str, str] = {}
     for f in HEAD_FILES:
