@@ -46,23 +46,32 @@ def spread(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} (min {min(xs):.2f}, max {max(xs):.2f})"
 
 
-def bench_builds(source: Path, pins: Path, runs: int, work: Path) -> dict:
+def bench_builds(source: Path, pins: Path, runs: int, work: Path, coreml: bool = True) -> dict:
     build_cmd = [str(EXE), "build", "--source", str(source), "--pins", str(pins), "--out", str(work / "b"),
                  "--overwrite", "--no-verify", "--json"]
+    # the Core ML package as a release builds it: its gate (read-back checks) included
+    coreml_cmd = [str(EXE), "build", "--format", "mlpackage", "--source", str(source), "--pins", str(pins),
+                  "--out", str(work / "m"), "--overwrite", "--json"]
     base_cmd = [sys.executable, str(ROOT / "benchmarks" / "baseline_export.py"), str(source), str(pins)]
-    rows = {"build": [], "baseline": []}
+    rows: dict[str, list] = {"build": [], "baseline": [], "coreml": []}
     for i in range(runs + 1):  # the first pair is the warm-up
         wall_b, rss_b, out = timed(build_cmd)
         manifest = json.loads(out)
         shutil.rmtree(work / "base.aimodel", ignore_errors=True)
         wall_r, rss_r, out_r = timed(base_cmd + [str(work / "base.aimodel")])
+        if coreml and i > 0:  # no warm-up of its own: the pair before warmed the same caches
+            wall_c, rss_c, out_c = timed(coreml_cmd)
+            rows["coreml"].append({"wall": wall_c, "rss_mb": rss_c, "stages": json.loads(out_c)["export"]["seconds"]})
         if i == 0:
             continue
         rows["build"].append({"wall": wall_b, "rss_mb": rss_b, "stages": manifest["export"]["seconds"]})
         rows["baseline"].append({"wall": wall_r, "rss_mb": rss_r, "stages": json.loads(out_r.strip().splitlines()[-1])})
-        print(f"  pair {i}: build {wall_b:.1f} s / {rss_b:.0f} MB, baseline {wall_r:.1f} s / {rss_r:.0f} MB", file=sys.stderr)
+        extra = f", Core ML {rows['coreml'][-1]['wall']:.1f} s / {rows['coreml'][-1]['rss_mb']:.0f} MB" if coreml else ""
+        print(f"  pair {i}: build {wall_b:.1f} s / {rss_b:.0f} MB, baseline {wall_r:.1f} s / {rss_r:.0f} MB{extra}",
+              file=sys.stderr)
     ratios = [b["wall"] / r["wall"] for b, r in zip(rows["build"], rows["baseline"], strict=True)]
-    return {**rows, "ratios": ratios, "mlirb_bytes": manifest["export"]["main_mlirb"]["bytes"],
+    coreml_ratios = [c["wall"] / r["wall"] for c, r in zip(rows["coreml"], rows["baseline"], strict=True)]
+    return {**rows, "ratios": ratios, "coreml_ratios": coreml_ratios, "mlirb_bytes": manifest["export"]["main_mlirb"]["bytes"],
             "bundle": str(work / "b" / NAME)}
 
 
@@ -147,11 +156,12 @@ def main() -> None:
     ap.add_argument("--pins", type=Path, required=True)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--skip-latency", action="store_true")
+    ap.add_argument("--skip-coreml", action="store_true", help="leave out the Core ML package build")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="clef-bench-"))
     try:
         print("builds (build and baseline, pair by pair) …", file=sys.stderr)
-        builds = bench_builds(args.source, args.pins, args.runs, work)
+        builds = bench_builds(args.source, args.pins, args.runs, work, coreml=not args.skip_coreml)
         print("hashing …", file=sys.stderr)
         hashes = bench_hashes(args.source, args.pins)
         latency = None if args.skip_latency else bench_latency(Path(builds["bundle"]), args.source, args.pins)
@@ -171,6 +181,8 @@ def main() -> None:
             "verify_hashes_gb_s >= 1 and >= sha256sum": [hashes["ours_gb_s"], hashes["sha256sum_gb_s"]],
             "mlirb_over_published <= 1.002": builds["mlirb_bytes"] / PUBLISHED_MLIRB,
             "help_s <= 0.5": help_s,
+            **({"coreml_over_baseline_median <= 2.0": statistics.median(builds["coreml_ratios"]),
+                "coreml_peak_rss_mb <= 1024": max(r["rss_mb"] for r in builds["coreml"])} if builds["coreml"] else {}),
         },
     }
     out = ROOT / "benchmarks" / "results"
@@ -193,6 +205,17 @@ def main() -> None:
         f"| main.mlirb bytes | {builds['mlirb_bytes']:,} ({builds['mlirb_bytes'] / PUBLISHED_MLIRB:.6f} x published) | <= 1.002 x |",
         f"| `clef-export --help` s | {help_s:.2f} | <= 0.5 |",
     ]
+    if builds["coreml"]:
+        c_wall = [r["wall"] for r in builds["coreml"]]
+        c_rss = [r["rss_mb"] for r in builds["coreml"]]
+        lines += [
+            f"| Core ML package build wall s, gate included (median of {len(c_wall)}) | {spread(c_wall)} | |",
+            f"| Core ML build / baseline, pair by pair (median) | {', '.join(f'{x:.2f}' for x in builds['coreml_ratios'])} "
+            f"({statistics.median(builds['coreml_ratios']):.2f}) | median <= 2.0 |",
+            f"| Core ML build peak RSS MB | {spread(c_rss)} | <= 1024 |",
+            "| Core ML build stages s (last run) | " + ", ".join(f"{k} {v:.2f}" for k, v in builds['coreml'][-1]['stages'].items())
+            + " | |",
+        ]
     if latency:
         for name in latency["coreai_cpu_s"]:
             lines.append(f"| {name} latency s: Core AI CPU / eager torch | {latency['coreai_cpu_s'][name]:.2f} / {latency['eager_torch_s'][name]:.3f} | info |")
