@@ -3,6 +3,7 @@ sources at the tiny and real configurations, and bundles built from them (once p
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -75,3 +76,13 @@ def tiny_bundle_copy(tmp_path, tiny_bundle) -> Path:
 @pytest.fixture(scope="session")
 def real_source(tmp_path_factory, author_code) -> Path:
     return _synth(tmp_path_factory, author_code, "real", 0)
+
+
+@pytest.fixture()
+def hub(tiny_source):
+    """A loopback fake Hub serving the tiny snapshot at its pinned revision."""
+    from .fakehub import FakeHub
+
+    pins = json.loads((tiny_source / "pins.json").read_text())
+    with FakeHub(pins["hf_id"], pins["revision"], tiny_source) as h:
+        yield h

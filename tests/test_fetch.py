@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from .fakehub import FakeHub
 
 
 def run_cli(args, hub_endpoint: str | None, hf_home: Path, offline: bool = False, timeout: int = 120):
@@ -26,13 +25,6 @@ def run_cli(args, hub_endpoint: str | None, hf_home: Path, offline: bool = False
     t0 = time.monotonic()
     r = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
     return r, time.monotonic() - t0
-
-
-@pytest.fixture()
-def hub(tiny_source):
-    pins = json.loads((tiny_source / "pins.json").read_text())
-    with FakeHub(pins["hf_id"], pins["revision"], tiny_source) as h:
-        yield h
 
 
 def test_fetch_then_offline_build_inputs(tmp_path, hub, tiny_source):

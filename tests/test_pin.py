@@ -16,7 +16,6 @@ from clef_flash.cli import app
 from clef_flash.digest import sha256_file
 
 from .conftest import ROOT
-from .fakehub import FakeHub
 from .test_fetch import run_cli
 
 MAKE_TINY = {"hidden_size": 64, "width": 32, "routing_layers": 1, "layers": 1, "heads": 2, "feedforward": 64}
@@ -25,13 +24,6 @@ runner = CliRunner()
 
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
-
-
-@pytest.fixture()
-def hub(tiny_source):
-    pins = json.loads((tiny_source / "pins.json").read_text())
-    with FakeHub(pins["hf_id"], pins["revision"], tiny_source) as h:
-        yield h
 
 
 def test_pin_a_hub_commit_from_its_metadata(tmp_path, hub, tiny_source):
