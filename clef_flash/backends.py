@@ -73,10 +73,6 @@ def of_manifest(m: BaseModel) -> Backend:
     return next(b for b in BACKENDS.values() if isinstance(m, b.Manifest))
 
 
-def manifest_format(m: BaseModel) -> str:
-    return of_manifest(m).FORMAT
-
-
 def load_manifest(data: bytes) -> BaseModel:
     """A bundle's ``metadata.json``, validated by its format's model. Raises ``ValueError``
     (pydantic's, or for JSON that is not an object or names an unknown format)."""

@@ -76,7 +76,6 @@ def plan(cfg: BuildConfig) -> dict[str, Any]:
     from .source import require_verified, resolve_source
 
     recipe = cfg.recipe
-    backend(recipe.format)
     pins = load_pins(cfg.pins_path)
     final = Path(cfg.out) / bundle_name(recipe, pins, cfg.name)
     check_output_path(final, cfg.overwrite)

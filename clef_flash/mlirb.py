@@ -80,13 +80,13 @@ class Section:
     length: int
 
 
-def _sections(fh, size: int) -> tuple[int, list[Section]]:
+def _sections(fh, size: int) -> list[Section]:
     """The section table, read with seeks (no section data is read)."""
     head = fh.read(min(size, 256))
     if not head.startswith(MAGIC):
         raise BytecodeError("not MLIR bytecode (bad magic)")
     r = _Reader(head, len(MAGIC))
-    version = r.varint()
+    r.varint()  # bytecode version
     r.cstring()  # producer
     pos = r.pos
     out = []
@@ -106,7 +106,7 @@ def _sections(fh, size: int) -> tuple[int, list[Section]]:
         pos = start + length
     if pos != size:
         raise BytecodeError(f"sections end at byte {pos}, the file has {size}")
-    return version, out
+    return out
 
 
 def _read_strings(data: bytes) -> list[bytes]:
@@ -182,7 +182,7 @@ def resource_names(path: Path) -> list[str]:
     """The resource keys of a bytecode file, in the order of its resource section."""
     path = Path(path)
     with open(path, "rb") as fh:
-        _, sections = _sections(fh, path.stat().st_size)
+        sections = _sections(fh, path.stat().st_size)
         strings, entries = _strings_and_entries(fh, sections)
     return [strings[k].decode() for k, _, _ in entries]
 
@@ -208,7 +208,7 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> int:
     path = Path(path)
     size = path.stat().st_size
     with open(path, "r+b") as fh:
-        _, sections = _sections(fh, size)
+        sections = _sections(fh, size)
         strings, entries = _strings_and_entries(fh, sections)
         if not entries:
             return 0
