@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench artifact fetch clean
+.PHONY: setup build test test-fast verify bench artifact fetch check clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[test,reference]'
 	touch $@
 
 # The author's joint_schema_model.py, from the clef-finetune wheel, sha256-checked. Never committed.
@@ -49,6 +49,21 @@ verify: build
 
 fetch: setup
 	$(BIN)/clef-export fetch
+
+# check-release on a tiny random release (real tiny Qwen3.5 backbone, byte-level tokenizer):
+# the author's systemone vs the exported head on the project's requests (conversion/requests.jsonl)
+TINY_REL := .cache/tiny-release
+TINY_OUT := build/tiny-release
+TINY_BUNDLE := $(TINY_OUT)/tiny_release_head_bucket_fp16w32
+$(TINY_REL)/pins.json: $(AUTHOR) clef_flash/synth.py | $(STAMP)
+	$(BIN)/clef-export synth-release $(TINY_REL) --seed 0 --author-code $(AUTHOR) --overwrite
+	$(BIN)/clef-export pin $(TINY_REL) --name tiny_release --overwrite
+
+$(TINY_BUNDLE)/metadata.json: $(TINY_REL)/pins.json $(SOURCES)
+	$(BIN)/clef-export build $(RECIPE) --source $(TINY_REL) --out $(TINY_OUT) --overwrite
+
+check: setup $(TINY_BUNDLE)/metadata.json
+	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --transcript $(TINY_OUT)/check-release.json
 
 # build -> verify -> AOT where xcrun coreai-build exists -> dist/ with SHA256SUMS
 artifact: setup $(SRC_DEPS)

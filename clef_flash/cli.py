@@ -14,6 +14,7 @@ from typing import Annotated, Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import ClefError
@@ -51,7 +52,7 @@ def _run(fn: Callable[[], Any]) -> Any:
     except ClefError as exc:
         if _state["verbose"]:
             err.print_exception()
-        err.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]: nothing was written")
@@ -60,17 +61,17 @@ def _run(fn: Callable[[], Any]) -> Any:
         raise
     except OSError as exc:  # disk full, read-only file system: name the file and the cause
         where = exc.filename or "output"
-        err.print(f"[bold red]error:[/] cannot write {where}: {exc.strerror or exc}")
+        err.print(f"[bold red]error:[/] cannot write {escape(str(where))}: {escape(str(exc.strerror or exc))}")
         raise typer.Exit(1) from None
     except Exception as exc:  # unexpected: one line unless --verbose
         if _state["verbose"]:
             err.print_exception()
-        err.print(f"[bold red]unexpected error:[/] {type(exc).__name__}: {exc} (rerun with --verbose)", soft_wrap=True)
+        err.print(f"[bold red]unexpected error:[/] {type(exc).__name__}: {escape(str(exc))} (rerun with --verbose)", soft_wrap=True)
         raise typer.Exit(1) from None
 
 
 def _log(msg: str) -> None:
-    err.print(f"[dim]·[/] {msg}", soft_wrap=True)
+    err.print(f"[dim]·[/] {escape(msg)}", soft_wrap=True)
 
 
 def _emit_json(obj: Any) -> None:
@@ -205,7 +206,7 @@ def verify_hashes(source: SourceOpt = None, pins: PinsOpt = None, json_out: Json
         err.print(t)
     bad = [c for c in checks if not c.ok]
     if bad:
-        err.print(f"[bold red]error:[/] {Path(folder) / bad[0].name}: {bad[0].cause}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
+        err.print(f"[bold red]error:[/] {escape(str(Path(folder) / bad[0].name))}: {escape(bad[0].cause)}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
         raise typer.Exit(3)
 
 
@@ -231,6 +232,33 @@ def synth(
     pins = _run(lambda: write_synth(out_dir, config_name=config, seed=seed, author_code=author_code, overwrite=overwrite,
                                     lm_head_vocab=lm_head_vocab))
     err.print(f"synthetic snapshot ({config}, seed {seed}) in {out_dir}; pins {out_dir / 'pins.json'} ({pins.label})")
+
+
+@app.command("synth-release")
+def synth_release(
+    out_dir: Annotated[Path, typer.Argument(help="Folder to write the release into.")],
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
+    backbone: Annotated[str, typer.Option("--backbone", help="qwen3_5: a real tiny Qwen3.5 backbone and byte-level tokenizer (needs the reference extra); stub: the export's tensors only.")] = "qwen3_5",
+    author_code: Annotated[Path, typer.Option("--author-code", help="The verified joint_schema_model.py.")] = Path(".cache/author/joint_schema_model.py"),
+    overwrite: OverwriteOpt = False,
+) -> None:
+    """Write a tiny random release in clef-finetune's layout (make-tiny's head configuration); labelled tiny-random."""
+    from .synth import MAKE_TINY_HEAD, write_release
+
+    if backbone not in ("qwen3_5", "stub"):
+        err.print(f"[bold red]error:[/] --backbone must be qwen3_5 or stub, got {backbone!r}")
+        raise typer.Exit(2)
+
+    def go():
+        if backbone == "qwen3_5":
+            from .reference import import_reference
+
+            import_reference()
+        return write_release(out_dir, config_name=MAKE_TINY_HEAD, seed=seed, author_code=author_code,
+                             backbone=backbone, overwrite=overwrite)
+
+    _run(go)
+    err.print(f"tiny random release ({backbone} backbone, seed {seed}) in {out_dir}; pin it with clef-export pin {out_dir}")
 
 
 @app.command()
@@ -313,7 +341,7 @@ def _print_report(report) -> None:
                   "identical" if r.rerun_identical else "differs", "[green]pass[/]" if r.ok else "[red]FAIL[/]")
     err.print(t)
     for name, ok, detail in report.checks:
-        err.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {name}: {detail}")
+        err.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
     if any(r.red for r in report.results):
         for r in report.results:
             err.print(f"  red arms {r.function}: " + ", ".join(f"{k} moved p by {v:.3g}" for k, v in r.red.items()))
@@ -350,12 +378,75 @@ def verify(
     _print_report(report)
     if not report.ok:
         for f in report.failures:
-            err.print(f"[bold red]FAIL[/] {f}")
+            err.print(f"[bold red]FAIL[/] {escape(f)}")
         raise typer.Exit(4)
     if report.notes:
         err.print(f"[bold green]checked[/]: {len(report.checks)} checks passed; outputs not compared on this platform")
     else:
         err.print("[bold green]verified[/]: every bar passed")
+
+
+def _print_check(report) -> None:
+    t = report.transcript
+    s = t["summary"]
+    tab = Table(title=f"check-release {t['release']} vs {t['bundle']}")
+    for col in ("check", "value", "bar", "result"):
+        tab.add_column(col)
+
+    def row(name: str, value: str, bar: str, ok: bool) -> None:
+        tab.add_row(name, value, bar, "[green]pass[/]" if ok else "[red]FAIL[/]")
+
+    row("requests", f"{s['checked']} checked of {s['requests']}, {s['does_not_fit']} do not fit", "listed, never cut", s["checked"] > 0)
+    row("questions", str(s["questions"]), "", True)
+    row("answers equal", f"{s['answers_equal']} equal, {s['near_ties']} near-ties, {s['rounded_digits']} differ in rounded digits only",
+        "0 disagreements", s["disagreements"] == 0)
+    row("disagreements", str(s["disagreements"]), "0", s["disagreements"] == 0)
+    row("argmax equal", f"{s['argmax_equal']}/{s['questions']}", "near-ties aside", True)
+    row("max |d p|", f"{s['max_abs_dp']:.2e}", f"<= {s['bar']:g} ({t['dtype']})", s["max_abs_dp"] <= s["bar"])
+    row("usage.input_tokens equal", f"{s['usage_equal']}/{s['checked']}", "all", s["usage_equal"] == s["checked"])
+    row("buckets used", ", ".join(f"{k}: {v}" for k, v in s["functions_used"].items()), "", True)
+    row("wall time", f"{s['seconds']['total']:.1f} s (reference {s['seconds']['reference']:.1f} s, asset "
+        f"{s['seconds']['shipped']:.1f} s)", "", True)
+    err.print(tab)
+    for e in t["does_not_fit"]:
+        err.print(f"  [yellow]does not fit[/] {escape(e['id'])} (line {e['line']}, {e['tokens']} tokens): {escape(e['why'])}")
+    for name, ok, detail in report.checks:
+        err.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
+    if t["red"]:
+        err.print(f"  red arm: {t['red']} (the shipped path perturbed; this run must fail)")
+
+
+@app.command("check-release")
+def check_release_cmd(
+    release: Annotated[Path, typer.Argument(help="A release folder (clef-finetune's layout: backbone, tokenizer, head).")],
+    bundle: Annotated[Path, typer.Option("--bundle", help="The bundle built from this release's head.")],
+    table: Annotated[Optional[Path], typer.Option("--table", help="lm_head_fp16.bin of this release (default: built into a temporary folder).")] = None,
+    requests: Annotated[Optional[Path], typer.Option("--requests", help="JSONL of SystemOne request bodies (default: the project's set, conversion/requests.jsonl).")] = None,
+    device: Annotated[str, typer.Option("--device", help="Where the author's model runs: cpu, cuda or mps.")] = "cpu",
+    dtype: Annotated[str, typer.Option("--dtype", help="The author's model dtype: float32 or bfloat16.")] = "float32",
+    red: Annotated[Optional[str], typer.Option("--red", help="Perturb the shipped path (spans: one token late; lexical: another table's rows); the run must fail.")] = None,
+    transcript: Annotated[Optional[Path], typer.Option("--transcript", help="Write the JSON transcript here.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Answer requests with the author's systemone and with the shipped head on the same hidden rows; exit 4 on any disagreement."""
+    from .bundle import atomic_write_json
+    from .check_release import CheckConfig, check_release
+
+    cfg = CheckConfig(release=release, bundle=bundle, table=table, requests=requests, device=device, dtype=dtype, red=red)
+    report = _run(lambda: check_release(cfg, log=_log))
+    if transcript:
+        _run(lambda: atomic_write_json(transcript, report.transcript))
+    if json_out:
+        _emit_json(report.transcript["summary"])
+    _print_check(report)
+    if not report.ok:
+        for f in report.failures[:20]:
+            err.print(f"[bold red]FAIL[/] {escape(f)}")
+        if len(report.failures) > 20:
+            err.print(f"[bold red]FAIL[/] … and {len(report.failures) - 20} more (see --transcript)")
+        raise typer.Exit(4)
+    err.print(f"[bold green]answers agree[/]: {report.transcript['summary']['checked']} requests, "
+              f"{report.transcript['summary']['questions']} questions")
 
 
 @app.command()

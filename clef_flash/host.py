@@ -62,6 +62,30 @@ def pick_bucket(length: int, buckets: Sequence[int] = BUCKETS) -> int:
     raise HostInputError(f"record has {length} tokens; the largest bucket is {max(buckets)}")
 
 
+def check_fits(length: int, questions: Sequence[QuestionLike], *, q_pad: int = Q_PAD, o_pad: int = O_PAD,
+               buckets: Sequence[int] = BUCKETS) -> int:
+    """The bucket a record of ``length`` tokens and these questions runs in; ``HostInputError``
+    naming every reason when it does not fit (the host never cuts a record)."""
+    problems = []
+    bucket = 0
+    try:
+        bucket = pick_bucket(length, buckets)
+    except HostInputError as exc:
+        problems.append(str(exc))
+    if not questions:
+        problems.append("record has no questions")
+    if len(questions) > q_pad:
+        problems.append(f"record has {len(questions)} questions; at most {q_pad} fit")
+    n_options = sum(len(q.option_spans) for q in questions)
+    if n_options > o_pad:
+        problems.append(f"record has {n_options} options; at most {o_pad} fit")
+    problems.extend(f"question {qi} has {len(q.option_spans)} option(s); at least 2 are needed"
+                    for qi, q in enumerate(questions) if len(q.option_spans) < 2)
+    if problems:
+        raise HostInputError("; ".join(problems))
+    return bucket
+
+
 def _check_span(span: tuple[int, int], length: int, what: str) -> tuple[int, int]:
     start, end = int(span[0]), int(span[1])
     if not (0 <= start < end <= length):
@@ -100,16 +124,10 @@ def head_inputs(
     ids = np.asarray(ids)
     if ids.shape != (length,):
         raise HostInputError(f"ids has shape {ids.shape}; hidden has {length} rows")
-    bucket = pick_bucket(length, buckets) if bucket is None else bucket
+    bucket = check_fits(length, questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets) if bucket is None else bucket
     if length > bucket:
         raise HostInputError(f"record has {length} tokens; bucket {bucket} is too small")
-    if not questions:
-        raise HostInputError("record has no questions")
-    if len(questions) > q_pad:
-        raise HostInputError(f"record has {len(questions)} questions; at most {q_pad} fit")
-    n_options = sum(len(q.option_spans) for q in questions)
-    if n_options > o_pad:
-        raise HostInputError(f"record has {n_options} options; at most {o_pad} fit")
+    check_fits(length, questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets)
     if table.shape[1] != hidden_size:
         raise HostInputError(f"table rows have {table.shape[1]} values; hidden rows have {hidden_size}")
 
@@ -134,8 +152,6 @@ def head_inputs(
     for qi, q in enumerate(questions):
         if int(q.question_type) not in (0, 1, 2):
             raise HostInputError(f"question {qi}: type {q.question_type} is not noul 0, choice 1 or score 2")
-        if len(q.option_spans) < 2:
-            raise HostInputError(f"question {qi} has {len(q.option_spans)} option(s); at least 2 are needed")
         s, e = _check_span(q.question_span, length, f"question {qi}")
         a["q_avg"][qi, s:e] = 1.0 / (e - s)
         a["type_ids"][qi] = int(q.question_type)

@@ -155,13 +155,18 @@ RELEASE_TINY_MARKER = "TINY_RANDOM_MODEL.txt"
 
 
 def write_release(out: Path, *, config_name: str | dict, seed: int, author_code: Path, vocab: int = 512,
-                  layout: str = "single", overwrite: bool = False) -> Path:
+                  layout: str = "single", backbone: str = "stub", overwrite: bool = False) -> Path:
     """A release folder in clef-finetune's layout, with random weights: ``config.json``, the
     backbone's ``model.safetensors`` (``single``; ``sharded`` with an index; ``tied``: no
     ``lm_head.weight``), the head's three files as ``merge`` writes them (the author's unmodified
     file, ``joint_head_config.json`` without ``dropout``), ``CLEF_FINETUNE.json`` and the
     tiny-random marker. No pins: ``clef-export pin`` makes them. ``CLEF_FINETUNE.json`` names this
-    writer as its tool: nothing here claims to be clef-finetune's output."""
+    writer as its tool: nothing here claims to be clef-finetune's output.
+
+    ``backbone="stub"`` writes only the tensors the head's export needs (embeddings, final norm,
+    lm_head); ``backbone="qwen3_5"`` writes a real tiny ``Qwen3_5ForConditionalGeneration`` and a
+    byte-level tokenizer (``write_qwen3_5_backbone``; needs transformers), so the author's own
+    model answers requests from the folder (``check-release``)."""
     import torch
     from safetensors.torch import save_file
 
@@ -169,6 +174,10 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
 
     if layout not in ("single", "sharded", "tied"):
         raise ValueError(f"layout must be single, sharded or tied, got {layout!r}")
+    if backbone not in ("stub", "qwen3_5"):
+        raise ValueError(f"backbone must be stub or qwen3_5, got {backbone!r}")
+    if backbone == "qwen3_5" and layout != "single":
+        raise ValueError("a qwen3_5 backbone is written as one model.safetensors with lm_head.weight (layout single)")
     name, config = _config(config_name)
     config.pop("dropout", None)  # clef-finetune writes the constructor's arguments without it
     out = Path(out)
@@ -179,35 +188,38 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
     hidden = int(config["hidden_size"])
     gen = torch.Generator().manual_seed(seed + 1)
     embed = (torch.randn(vocab, hidden, generator=gen) * 0.02).to(torch.bfloat16)
-    backbone = {"model.language_model.embed_tokens.weight": embed,
-                "model.language_model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    tensors = {"model.language_model.embed_tokens.weight": embed,
+               "model.language_model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
     if layout != "tied":
-        backbone["lm_head.weight"] = synth_lm_head(vocab, hidden, seed)
+        tensors["lm_head.weight"] = synth_lm_head(vocab, hidden, seed)
     with output_lock(out), staged_dir(out, overwrite) as tmp:
         (tmp / CODE_FILE).write_bytes(code)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         meta = {"format": "pt"}
-        if layout == "sharded":
+        if backbone == "qwen3_5":
+            write_qwen3_5_backbone(tmp, hidden=hidden, vocab=vocab, seed=seed)
+        elif layout == "sharded":
             from .lm_head import INDEX_FILE
 
-            shards = {"model-00001-of-00002.safetensors": {k: v for k, v in backbone.items() if k != "lm_head.weight"},
-                      "model-00002-of-00002.safetensors": {"lm_head.weight": backbone["lm_head.weight"]}}
-            for shard, tensors in shards.items():
-                save_file(tensors, str(tmp / shard), metadata=meta)
-            index = {"metadata": {"total_size": sum(t.numel() * 2 for t in backbone.values())},
-                     "weight_map": {k: shard for shard, tensors in shards.items() for k in tensors}}
+            shards = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if k != "lm_head.weight"},
+                      "model-00002-of-00002.safetensors": {"lm_head.weight": tensors["lm_head.weight"]}}
+            for shard, part in shards.items():
+                save_file(part, str(tmp / shard), metadata=meta)
+            index = {"metadata": {"total_size": sum(t.numel() * 2 for t in tensors.values())},
+                     "weight_map": {k: shard for shard, part in shards.items() for k in part}}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         else:
-            save_file(backbone, str(tmp / "model.safetensors"), metadata=meta)
-        (tmp / "config.json").write_text(json.dumps({
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
-            "text_config": {"hidden_size": hidden, "vocab_size": vocab, "tie_word_embeddings": layout == "tied"},
-            "tie_word_embeddings": layout == "tied",
-        }, indent=2, sort_keys=True) + "\n")
+            save_file(tensors, str(tmp / "model.safetensors"), metadata=meta)
+        if backbone == "stub":
+            (tmp / "config.json").write_text(json.dumps({
+                "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "text_config": {"hidden_size": hidden, "vocab_size": vocab, "tie_word_embeddings": layout == "tied"},
+                "tie_word_embeddings": layout == "tied",
+            }, indent=2, sort_keys=True) + "\n")
         (tmp / RELEASE_PROVENANCE).write_text(json.dumps({
             "tool": "clef-export synth (clef-finetune's release layout, random weights)",
-            "base_model": "synthetic/tiny-backbone",
+            "base_model": "synthetic/tiny-qwen3_5" if backbone == "qwen3_5" else "synthetic/tiny-backbone",
             "checkpoint": f"synthetic-seed{seed}",
             "dtype": "bfloat16",
             "head_dtype": "bfloat16",
@@ -216,3 +228,69 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
         }, indent=2, sort_keys=True) + "\n")
         (tmp / RELEASE_TINY_MARKER).write_text("A tiny random model for tests: its answers mean nothing.\n")
     return out
+
+
+# ---------------------------------------------------------------- a real tiny backbone
+
+# clef-finetune make-tiny's head configuration (its joint_head_config.json has no dropout key)
+MAKE_TINY_HEAD: dict[str, int] = {"hidden_size": 64, "width": 32, "routing_layers": 1, "layers": 1, "heads": 2,
+                                  "feedforward": 64}
+# Qwen's chat, thinking and vision markers: the author's prompt uses them, so each is one token
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                  "<|image_pad|>", "<|video_pad|>", "<think>", "</think>")
+# dimensions of the final norm scaled up, as real backbones have a few outlier dimensions in
+# their last hidden rows (large norms are what fp32 host code has to survive)
+OUTLIER_DIMS = (3, 17, 41)
+OUTLIER_SCALE = 24.0
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer: one token per UTF-8 byte (256 ids), then the special tokens.
+    Token counts are byte counts, so a request's encoded length is easy to aim at."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int) -> None:
+    """A tiny ``Qwen3_5ForConditionalGeneration`` (3 linear-attention layers + 1 full-attention
+    layer, a one-block vision tower, untied lm_head) stored bf16 as one ``model.safetensors``, with
+    ``config.json``, ``generation_config.json`` and the tokenizer files, seeded."""
+    import torch
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    if hidden % 16:
+        raise ValueError(f"a tiny Qwen3.5 backbone needs a hidden size divisible by 16, got {hidden}")
+    tokenizer = byte_tokenizer()
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    if vocab <= max(ids.values()):
+        raise ValueError(f"vocab {vocab} is smaller than the tokenizer's {max(ids.values()) + 1} ids")
+    config = Qwen3_5Config(
+        text_config={"vocab_size": vocab, "hidden_size": hidden, "intermediate_size": 2 * hidden,
+                     "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
+                     "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+                     "linear_num_value_heads": 4, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+        vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                       "out_hidden_size": hidden, "num_position_embeddings": 64},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3_5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        norm = model.model.language_model.norm.weight
+        for d in OUTLIER_DIMS:
+            if d < hidden:
+                norm[d] = norm[d] + OUTLIER_SCALE
+    model.to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)

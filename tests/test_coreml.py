@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -253,3 +254,14 @@ def test_missing_model_file_is_an_integrity_error(package_copy):
     (_asset(package_copy) / mlpackage.MODEL_FILE).unlink()
     with pytest.raises(IntegrityError, match="model.mlmodel: missing"):
         mlpackage.read_package(_asset(package_copy))
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="Core ML runs packages on macOS")
+def test_check_release_says_it_cannot_run_a_package_here(tmp_path, tiny_package):
+    from typer.testing import CliRunner
+
+    from clef_flash.cli import app
+
+    r = CliRunner().invoke(app, ["check-release", str(tmp_path), "--bundle", str(tiny_package)])
+    assert r.exit_code == 5 and "cannot run its mlpackage asset on this machine" in r.output, r.output
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -25,7 +25,8 @@ def test_wheel_installs_and_works_outside_the_checkout(tmp_path, author_code):
     (wheel,) = wheels.glob("clef_export-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for data in ("clef_flash/_data/conversion/head_bucket_fp16w32.toml", "clef_flash/_data/manifests/clef-flash.source.json",
-                 "clef_flash/_data/manifests/metadata.schema.json", "clef_flash/_data/manifests/metadata-mlpackage.schema.json"):
+                 "clef_flash/_data/manifests/metadata.schema.json", "clef_flash/_data/manifests/metadata-mlpackage.schema.json",
+                 "clef_flash/_data/conversion/requests.jsonl"):
         assert data in names, data
     assert not [n for n in names if n.endswith("joint_schema_model.py")]  # the author's code never ships
     print(f"\nwheel {wheel.name}: {wheel.stat().st_size:,} bytes, {len(names)} files")

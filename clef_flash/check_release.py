@@ -1,0 +1,492 @@
+"""``check-release``: the shipped head answers real requests like the author's model.
+
+1. the bundle against its manifest, the release's head files against the manifest's source
+   hashes (the head the bundle was built from), the author's file known or trusted;
+2. the requests (JSONL of SystemOne request bodies; ``conversion/requests.jsonl`` by default),
+   each checked and encoded with the author's ``encode_record``; what does not fit the bundle's
+   buckets and pads is listed with the reason, never cut and never silently skipped;
+3. the reference: the author's ``systemone`` on the release's own backbone and head
+   (``reference.Reference``), its head's inputs and outputs recorded;
+4. the shipped path on the same hidden rows: ``host.head_inputs`` with the exported lm_head table
+   (``--table``, or built from the release into a temporary folder), the bundle's function for the
+   record's bucket run by the Core AI runtime, ``host.question_probs`` and ``host.answers``;
+5. per question, the answers field by field and the probabilities before rounding; a checklist,
+   a transcript, and ``NumericError`` (exit 4) on any disagreement.
+
+A red arm (``--red spans`` or ``--red lexical``) perturbs the shipped path only; it must fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import IntegrityError, NumericError, ToolchainError, UsageError
+
+# Bars on the probabilities before the author's rounding, by the reference's dtype; data, each
+# with its reason, written into the transcript.
+BARS: dict[str, tuple[float, str]] = {
+    "float32": (1e-5, "same hidden rows on both sides; the author's head in fp32 vs the asset's fp32 math on fp16-stored "
+                      "bf16 weights (exact) and fp16 lexical rows of bf16 lm_head rows (exact in fp16's normal range): "
+                      "only accumulation order differs, the bar of `verify`"),
+    "bfloat16": (5e-3, "the author's head computes in bf16 (8-bit mantissa, about 4e-3 relative per operation) while "
+                       "the asset computes in fp32 on the same rows; measured 1.4e-3 on the tiny release, not yet on a real one"),
+}
+RED_ARMS = ("spans", "lexical")
+QUESTION_TYPES = ("noul", "choice", "score")
+# question outcomes; only "disagree" fails
+EQUAL, NEAR_TIE, ROUNDED, DISAGREE = "equal", "near-tie", "rounded-digits", "disagree"
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    release: Path
+    bundle: Path
+    table: Path | None = None
+    requests: Path | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    red: str | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    line: int
+    body: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        return str(self.body.get("id", f"line {self.line}"))
+
+
+# ---------------------------------------------------------------- requests
+
+
+def default_requests() -> Path:
+    from .data import data_dir
+
+    return data_dir("conversion") / "requests.jsonl"
+
+
+def _request_problem(body: Any) -> str | None:
+    """What ``systemone`` would refuse, or what this command does not run (images, videos)."""
+    if not isinstance(body, dict):
+        return "not a JSON object"
+    if not isinstance(body.get("model"), str) or "state" not in body:
+        return "model (a string) and state are required"
+    questions = body.get("questions")
+    if not isinstance(questions, dict) or not questions:
+        return "at least one question is required"
+    for qid, q in questions.items():
+        if not isinstance(q, dict) or q.get("type") not in QUESTION_TYPES:
+            return f"question {qid!r}: type must be noul, choice, or score"
+        crit = q.get("criteria")
+        if q["type"] == "choice" and (not isinstance(crit, dict) or not crit):
+            return f"question {qid!r}: a choice needs criteria, an object of options"
+        if q["type"] == "score" and (not isinstance(crit, list) or not crit):
+            return f"question {qid!r}: a score needs criteria, a list of levels"
+        if q["type"] == "noul" and crit is not None and (not isinstance(crit, dict) or set(crit) - {"true", "false"}):
+            return f"question {qid!r}: a noul's criteria may only describe true and false"
+    return None
+
+
+def load_requests(path: Path) -> list[Request]:
+    """SystemOne request bodies, one JSON object a line (blank lines skipped; a ``labels`` or
+    ``id`` field may be present). A malformed line is a usage error naming file and line."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: requests file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path}: cannot read the requests ({exc})") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            body = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{n}: not JSON ({exc.msg} at column {exc.colno})") from None
+        problem = _request_problem(body)
+        if problem:
+            raise UsageError(f"{path}:{n}: {problem}")
+        if body.get("images") or body.get("videos"):
+            raise UsageError(f"{path}:{n}: requests with images or videos are not supported by check-release "
+                             "(text only; the release's processor is not used)")
+        out.append(Request(line=n, body=body))
+    if not out:
+        raise UsageError(f"{path}: no requests")
+    return out
+
+
+# ---------------------------------------------------------------- the release and its table
+
+
+def _release_module(release: Path, manifest: Any):
+    """The release's head files must be the ones the bundle was built from; the author's file
+    runs only when known, or trusted by the release's pins."""
+    from .author import check_author_trusted, load_author_module, load_config, load_state
+    from .digest import sha256_file
+    from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE
+
+    src = manifest.head.source
+    want = {CODE_FILE: src.joint_schema_model_sha256, CONFIG_FILE: src.joint_head_config_sha256,
+            WEIGHTS_FILE: src.joint_head_safetensors_sha256}
+    for name, sha in want.items():
+        path = release / name
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing; a release folder holds the head's three files")
+        got = sha256_file(path)
+        if got != sha:
+            raise IntegrityError(f"{path}: sha256 {got[:12]}… is not the bundle's ({sha[:12]}…, {src.hf_id}): "
+                                 "the bundle was built from another head")
+    trusted = None
+    if (release / "pins.json").is_file():
+        from .pins import load_pins
+
+        trusted = load_pins(release / "pins.json").trusted_author_sha256
+    check_author_trusted(release / CODE_FILE, want[CODE_FILE], trusted)
+    module = load_author_module(release / CODE_FILE, want[CODE_FILE])
+    for attr in ("encode_record", "systemone", "ClefModel"):
+        if not hasattr(module, attr):
+            raise IntegrityError(f"{release / CODE_FILE}: the author's module has no {attr}")
+    config = load_config(release / CONFIG_FILE, want[CONFIG_FILE])
+    state = load_state(release / WEIGHTS_FILE, want[WEIGHTS_FILE])
+    return module, config, state
+
+
+def _lm_head_file(release: Path) -> Path:
+    from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR
+
+    if (release / INDEX_FILE).is_file():
+        try:
+            shard = json.loads((release / INDEX_FILE).read_text())["weight_map"][TENSOR]
+        except (ValueError, KeyError, TypeError):
+            raise IntegrityError(f"{release / INDEX_FILE}: no weight_map entry for {TENSOR}") from None
+        return release / shard
+    return release / SINGLE_FILE
+
+
+def _open_given_table(table: Path, release: Path) -> tuple[np.memmap, dict[str, Any]]:
+    """A table made by ``lm-head-table``, whose sidecar says it came from this release's lm_head."""
+    from .digest import sha256_file
+    from .lm_head import SIDECAR_FILE, open_table
+
+    table = Path(table)
+    sidecar_path = table.parent / SIDECAR_FILE
+    if not table.is_file():
+        raise UsageError(f"{table}: table not found")
+    try:
+        sidecar = json.loads(sidecar_path.read_text())
+        made_from = sidecar["source"]["sha256"]
+    except FileNotFoundError:
+        raise IntegrityError(f"{sidecar_path}: missing; without its sidecar the table's origin is unknown") from None
+    except (ValueError, KeyError, TypeError):
+        raise IntegrityError(f"{sidecar_path}: not an lm-head-table sidecar") from None
+    lm_file = _lm_head_file(release)
+    have = sha256_file(lm_file)
+    if have != made_from:
+        raise IntegrityError(f"{table}: made from a file with sha256 {made_from[:12]}…, not this release's "
+                             f"{lm_file.name} ({have[:12]}…)")
+    return open_table(table), {"table": str(table), "built": False, "sha256": sidecar.get("sha256"),
+                               "source_file": lm_file.name}
+
+
+def _build_table(release: Path, tmp: Path, log) -> tuple[np.memmap, dict[str, Any]]:
+    """``lm-head-table`` of the release into a temporary folder (pins made on the fly)."""
+    from .lm_head import TABLE_FILE, lm_head_table, open_table
+    from .pinning import pin_local
+
+    trusted = None
+    if (release / "pins.json").is_file():
+        from .pins import load_pins
+
+        trusted = load_pins(release / "pins.json").trusted_author_sha256
+    pins, pins_path = pin_local(release, tmp / "pins.json", trust_author=trusted)
+    result = lm_head_table(release, pins, pins_path, tmp / "table", log=log)
+    return open_table(tmp / "table" / TABLE_FILE), {"table": "built from the release", "built": True,
+                                                    "sha256": result["sha256"], "source_file": result["source"]["file"]}
+
+
+class NextRowTable:
+    """Red arm ``lexical``: every id reads the next id's row, as a table of another release would
+    give other rows (a view: nothing is copied)."""
+
+    def __init__(self, table: Any):
+        self.table = table
+        self.shape = table.shape
+
+    def __getitem__(self, ids: Any) -> Any:
+        return self.table[(np.asarray(ids) + 1) % self.shape[0]]
+
+
+def _shift_spans(questions: Any, length: int) -> list[Any]:
+    """Red arm ``spans``: every question and option span one token late (one early at the end)."""
+    from .host import Question
+
+    def move(span: tuple[int, int]) -> tuple[int, int]:
+        s, e = span
+        return (s + 1, e + 1) if e < length else (s - 1, e - 1)
+
+    return [Question(question_type=q.question_type, question_span=move(q.question_span),
+                     option_spans=tuple(move(sp) for sp in q.option_spans), option_ids=q.option_ids,
+                     question_id=q.question_id) for q in questions]
+
+
+# ---------------------------------------------------------------- comparing answers
+
+
+def _argmax(p: np.ndarray) -> int:
+    return int(np.argmax(p))  # first of equals, as max() in the author's systemone_answer
+
+
+def compare_question(spec: dict[str, Any], ref: dict[str, Any], got: dict[str, Any], p_ref: np.ndarray,
+                     p_got: np.ndarray, option_ids: tuple[str, ...], bar: float) -> dict[str, Any]:
+    """One question's answers field by field, with the probabilities before rounding.
+
+    ``disagree`` when any probability moved by more than the bar, when the answers differ in
+    what no probability noise explains (type, keys, legend, options), or when the chosen option
+    differs while the two options are not within the bar of each other; ``near-tie`` when the
+    chosen option (or argmax) differs between two options within the bar of each other;
+    ``rounded-digits`` when only rounded numbers differ while every probability is within the bar
+    (in fp32, a value on the other side of a 4th-decimal edge); ``equal`` otherwise."""
+    dp = float(np.abs(p_ref.astype(np.float64) - p_got.astype(np.float64)).max())
+    fields = sorted(set(ref) | set(got))
+    differ = [k for k in fields if ref.get(k) != got.get(k)]
+    out: dict[str, Any] = {"max_abs_dp": dp, "argmax_equal": _argmax(p_ref) == _argmax(p_got), "fields_differ": differ}
+    reasons = []
+    if dp > bar:
+        reasons.append(f"max |d p| {dp:.3g} > {bar:g}")
+    structural = [k for k in differ if k in ("type", "legend") or k not in ref or k not in got]
+    if "probabilities" in differ and set(ref.get("probabilities", {})) != set(got.get("probabilities", {})):
+        structural.append("probabilities (options)")
+    if structural:
+        reasons.append(f"differ in {', '.join(structural)}")
+    tie = False
+    a, b = _argmax(p_ref), _argmax(p_got)
+    if a != b:
+        gap = min(abs(float(p_ref[a]) - float(p_ref[b])), abs(float(p_got[a]) - float(p_got[b])))
+        out["tie"] = {"reference": option_ids[a], "shipped": option_ids[b], "gap": gap}
+        if gap <= bar:
+            tie = True
+        else:
+            reasons.append(f"chose {option_ids[b]!r}, the author {option_ids[a]!r} (gap {gap:.3g} > {bar:g})")
+    if spec["type"] == "choice" and ref.get("choice") != got.get("choice") and a == b:
+        reasons.append(f"choice {got.get('choice')!r} vs the author's {ref.get('choice')!r} with the same argmax")
+    if reasons:
+        out["status"], out["why"] = DISAGREE, "; ".join(reasons)
+    elif tie:
+        out["status"] = NEAR_TIE
+    elif differ:
+        out["status"] = ROUNDED
+    else:
+        out["status"] = EQUAL
+    return out
+
+
+# ---------------------------------------------------------------- the check
+
+
+@dataclass
+class CheckReport:
+    checks: list[tuple[str, bool, str]]
+    transcript: dict[str, Any]
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def raise_for_failures(self) -> None:
+        if self.failures:
+            more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+            raise NumericError(f"{self.transcript['bundle']}: check-release failed: {self.failures[0]}{more}")
+
+
+def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
+    """Every request through the author's model and through the shipped head; see the module."""
+    from .artifact import check_bundle
+    from .host import HostInputError, Question, answers, check_fits, head_inputs, question_probs
+    from .manifest import pads
+    from .provenance import tool_versions
+    from .reference import Reference, import_reference
+
+    t_start = time.perf_counter()
+    release, bundle = Path(cfg.release), Path(cfg.bundle)
+    if cfg.red is not None and cfg.red not in RED_ARMS:
+        raise UsageError(f"--red must be one of {', '.join(RED_ARMS)}, got {cfg.red!r}")
+    if cfg.dtype not in BARS:
+        raise UsageError(f"--dtype must be one of {', '.join(BARS)}, got {cfg.dtype!r}")
+    if not release.is_dir():
+        raise UsageError(f"{release}: release folder not found")
+    requests = load_requests(cfg.requests or default_requests())
+    import_reference()
+
+    manifest, fmt, asset, checks = check_bundle(bundle)
+    bad = [f"{n}: {d}" for n, ok, d in checks if not ok]
+    if bad:
+        raise IntegrityError(f"{bundle}: {bad[0]}")
+    why_not = fmt.cannot_run()
+    if why_not:
+        raise ToolchainError(f"{bundle}: cannot run its {fmt.FORMAT} asset on this machine ({why_not})")
+    buckets = tuple(b for _, b in manifest.head.buckets)
+    names = {b: name for name, b in manifest.head.buckets}
+    q_pad, o_pad = pads(manifest.head)
+    module, config, state = _release_module(release, manifest)
+    bar, bar_reason = BARS[cfg.dtype]
+
+    with tempfile.TemporaryDirectory(prefix="clef-check-") as tmp:
+        if cfg.table is not None:
+            table, table_info = _open_given_table(cfg.table, release)
+        else:
+            table, table_info = _build_table(release, Path(tmp), log)
+        if table.shape[1] != config.hidden_size:
+            raise IntegrityError(f"{table_info['table']}: rows of {table.shape[1]} values; the head's hidden size is "
+                                 f"{config.hidden_size}")
+        ref_model = Reference(release, module, config, state, device=cfg.device, dtype=cfg.dtype, log=log)
+        shipped_table = NextRowTable(table) if cfg.red == "lexical" else table
+
+        # the reference side, request by request; the shipped side's inputs from the same rows
+        entries: list[dict[str, Any]] = []
+        jobs: list[tuple[int, Any, Any]] = []  # (entry index, HostInputs, Seen)
+        t_ref = time.perf_counter()
+        for req in requests:
+            entry: dict[str, Any] = {"id": req.id, "line": req.line, "questions": len(req.body["questions"])}
+            entries.append(entry)
+            encoded = ref_model.encode(req.body)
+            entry["tokens"] = len(encoded.input_ids)
+            entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
+            try:
+                bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets)
+            except HostInputError as exc:
+                entry["does_not_fit"] = str(exc)
+                continue
+            entry["function"] = names[bucket]
+            response, seen = ref_model.answer(req.body)
+            if tuple(seen.ids.tolist()) != tuple(encoded.input_ids):
+                raise RuntimeError(f"request {req.id}: systemone encoded other tokens than encode_record")
+            entry["reference"] = response
+            questions = [Question(question_type=q.question_type, question_span=q.question_span,
+                                  option_spans=q.option_spans, option_ids=q.option_ids, question_id=q.question_id)
+                         for q in seen.record.questions]
+            if cfg.red == "spans":
+                questions = _shift_spans(questions, len(seen.ids))
+            hi = head_inputs(seen.hidden, seen.ids, questions, shipped_table, bucket, q_pad=q_pad, o_pad=o_pad,
+                             buckets=buckets)
+            jobs.append((len(entries) - 1, hi, seen))
+        ref_seconds = time.perf_counter() - t_ref
+        log(f"reference: {len(jobs)} requests answered in {ref_seconds:.1f} s; "
+            f"{len(entries) - len(jobs)} do not fit")
+
+        t_run = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            logits = asyncio.run(_run_all(fmt.runner, asset, [(names[hi.bucket], hi) for _, hi, _ in jobs]))
+        run_seconds = time.perf_counter() - t_run
+        log(f"shipped: {len(jobs)} asset calls in {run_seconds:.1f} s")
+
+    failures: list[str] = []
+    outcome: Counter[str] = Counter()
+    max_dp, argmax_equal, questions_n, tokens_equal = 0.0, 0, 0, 0
+    for (i, hi, seen), out in zip(jobs, logits, strict=True):
+        entry = entries[i]
+        req = requests[i]
+        probs = question_probs(out, hi.layout)
+        got = answers(req.body["questions"], seen.record.questions, probs)
+        ref_answers = entry["reference"]["answers"]
+        shipped = {"model": req.body["model"], "answers": got,
+                   "usage": {"input_tokens": hi.length, "output_tokens": 0}}
+        entry["shipped"] = shipped
+        if shipped["usage"] != entry["reference"]["usage"]:
+            failures.append(f"{req.id}: usage {shipped['usage']} vs the author's {entry['reference']['usage']}")
+        else:
+            tokens_equal += 1
+        if list(got) != list(ref_answers):
+            failures.append(f"{req.id}: answered questions {list(got)} vs the author's {list(ref_answers)}")
+            continue
+        per_q = {}
+        for q, p_got, p_ref in zip(seen.record.questions, probs, seen.probs, strict=True):
+            cmp = compare_question(req.body["questions"][q.question_id], ref_answers[q.question_id], got[q.question_id],
+                                   p_ref, p_got, q.option_ids, bar)
+            per_q[q.question_id] = cmp
+            outcome[cmp["status"]] += 1
+            questions_n += 1
+            argmax_equal += int(cmp["argmax_equal"])
+            max_dp = max(max_dp, cmp["max_abs_dp"])
+            if cmp["status"] == DISAGREE:
+                failures.append(f"{req.id} / {q.question_id}: {cmp['why']}")
+        entry["compare"] = per_q
+
+    fitted = [e for e in entries if "function" in e]
+    not_fit = [e for e in entries if "does_not_fit" in e]
+    used = Counter(e["function"] for e in fitted)
+    if not fitted:
+        failures.append("no request fits the bundle: nothing was compared")
+    checks.append(("release head = bundle's source", True, f"{manifest.head.source.hf_id}"))
+    checks.append(("lexical table", True, f"{table_info['table']} ({table_info['source_file']})"))
+    summary = {
+        "ok": not failures,
+        "requests": len(entries),
+        "checked": len(fitted),
+        "does_not_fit": len(not_fit),
+        "questions": questions_n,
+        "answers_equal": outcome[EQUAL],
+        "near_ties": outcome[NEAR_TIE],
+        "rounded_digits": outcome[ROUNDED],
+        "disagreements": outcome[DISAGREE],
+        "argmax_equal": argmax_equal,
+        "usage_equal": tokens_equal,
+        "max_abs_dp": max_dp,
+        "bar": bar,
+        "functions_used": {name: used.get(name, 0) for name, _ in manifest.head.buckets},
+        "seconds": {"reference": ref_seconds, "shipped": run_seconds, "total": time.perf_counter() - t_start},
+    }
+    transcript = {
+        "command": "check-release",
+        "release": str(release),
+        "bundle": str(bundle),
+        "format": fmt.FORMAT,
+        "asset_sha256": fmt.asset_digest(manifest),
+        "source": {"hf_id": manifest.head.source.hf_id, "revision": manifest.head.source.revision},
+        "requests_file": str(cfg.requests or default_requests()),
+        "device": cfg.device,
+        "dtype": cfg.dtype,
+        "red": cfg.red,
+        "bar": {"max_abs_dp": bar, "reason": bar_reason},
+        "outcomes": {EQUAL: "every field equal", NEAR_TIE: "the chosen option differs between two options within the bar",
+                     ROUNDED: "only rounded numbers differ, every probability within the bar",
+                     DISAGREE: "fails: a probability beyond the bar, or a difference noise cannot explain"},
+        "table": table_info,
+        "summary": summary,
+        "does_not_fit": [{"id": e["id"], "line": e["line"], "tokens": e["tokens"], "why": e["does_not_fit"]} for e in not_fit],
+        "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
+        "failures": failures,
+        "requests": entries,
+        "versions": {**tool_versions(), **{d: _version(d) for d in ("transformers", "accelerate", "tokenizers")}},
+    }
+    return CheckReport(checks=checks, transcript=transcript, failures=failures)
+
+
+async def _run_all(runner, asset: Path, calls: list[tuple[str, Any]]) -> list[np.ndarray]:
+    names = sorted({name for name, _ in calls})
+    async with runner(asset, names) as call:
+        return await asyncio.gather(*[call(name, hi.arrays) for name, hi in calls])
+
+
+def _version(dist: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "missing"

@@ -1,0 +1,142 @@
+"""The reference side of ``check-release``: the author's own model, end to end, from a release folder.
+
+    module   = the release's joint_schema_model.py (sha256 = the bundle's, and known or trusted)
+    backbone = Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype, device_map)
+    head     = JointSchemaHead(**joint_head_config.json), strict load of joint_head.safetensors
+    model    = module.ClefModel(backbone, head).eval()
+    response = module.systemone(model, processor, request)
+
+These are the steps of the author's ``load_release_model``, taken one by one so that the processor
+is the release's tokenizer alone: the full Qwen3-VL processor needs torchvision (its video
+processor), which does not import next to the CPU build of torch, and text-only requests use
+nothing of the processor but ``.tokenizer``. Requests with images or videos are refused before
+anything runs.
+
+A forward hook on the head records what the author's head was given (the backbone's hidden rows,
+the token ids, the encoded record) and what it returned, so that the shipped path reads exactly
+the rows the reference read: the backbone runs once per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from .errors import IntegrityError, ToolchainError, UsageError
+
+TRANSFORMERS_MIN = (5, 10, 2)
+EXTRA = "pip install 'clef-export[reference]'"
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("cpu", "cuda", "mps")
+
+
+def import_reference() -> None:
+    """transformers >= 5.10.2 (Qwen3_5ForConditionalGeneration) and accelerate (``device_map``),
+    or one line saying what to install (exit 5)."""
+    import importlib
+
+    missing = []
+    for name in ("transformers", "accelerate"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ToolchainError(f"check-release needs {' and '.join(missing)} (transformers >= 5.10.2, accelerate), "
+                             f"which are not installed: {EXTRA}")
+    import transformers
+
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:3] if x.isdigit())
+    if version < TRANSFORMERS_MIN or not hasattr(transformers, "Qwen3_5ForConditionalGeneration"):
+        raise ToolchainError(f"check-release needs transformers >= 5.10.2 (Qwen3_5ForConditionalGeneration); "
+                             f"found {transformers.__version__}: {EXTRA}")
+
+
+@dataclass
+class Seen:
+    """What the author's head was called with for one request, and what it returned."""
+
+    hidden: np.ndarray  # [L, H] f32, the backbone's last hidden rows of the real tokens
+    ids: np.ndarray  # [L] int64
+    record: Any  # the author's EncodedRecord
+    probs: list[np.ndarray]  # per question, the author's unrounded probabilities (f32 softmax of its logits)
+
+
+class TextProcessor(SimpleNamespace):
+    """What ``systemone`` needs of the processor for a text-only request: ``.tokenizer``."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:  # pragma: no cover - images are refused earlier
+        raise UsageError("requests with images or videos are not supported by check-release (text only)")
+
+
+class Reference:
+    """The author's model of one release folder on one device, answering requests with ``systemone``."""
+
+    def __init__(self, release: Path, module: Any, config: Any, state: dict[str, Any], *, device: str, dtype: str,
+                 log=lambda msg: None):
+        import torch
+        from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
+        from transformers.utils import logging as hf_logging
+
+        from .author import build_head
+
+        if dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if device not in DEVICES:
+            raise UsageError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda: torch sees no CUDA device here")
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise UsageError("--device mps: torch sees no MPS device here")
+        hf_logging.set_verbosity_error()  # the kernels' fallback notices are not the user's business
+        hf_logging.disable_progress_bar()
+        self.module = module
+        self.device = device
+        torch_dtype = getattr(torch, dtype)
+        release = Path(release)
+        try:
+            backbone = Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype=torch_dtype,
+                                                                       device_map={"": device})
+        except (OSError, ValueError, KeyError) as exc:
+            raise IntegrityError(f"{release}: cannot load the backbone with Qwen3_5ForConditionalGeneration "
+                                 f"({str(exc).splitlines()[0][:200]})") from None
+        backbone.config.use_cache = False
+        head = build_head(module, config, state, torch_dtype, release / "joint_head.safetensors").to(device)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(release)
+        except (OSError, ValueError) as exc:
+            raise IntegrityError(f"{release}: cannot load the tokenizer ({str(exc).splitlines()[0][:200]})") from None
+        if tokenizer.pad_token_id is None:
+            raise IntegrityError(f"{release}: the tokenizer has no pad token (systemone pads with it)")
+        self.processor = TextProcessor(tokenizer=tokenizer)
+        self.model = module.ClefModel(backbone, head).eval()
+        self._seen: list[tuple[tuple, Any]] = []
+        head.register_forward_hook(lambda _m, args, out: self._seen.append((args, out)))
+        log(f"reference: {release.name} backbone {type(backbone).__name__} ({sum(p.numel() for p in backbone.parameters()):,} "
+            f"parameters), {dtype} on {device}")
+
+    def encode(self, request: dict[str, Any]) -> Any:
+        """The author's ``encode_record`` exactly as ``systemone`` calls it (text only)."""
+        return self.module.encode_record(self.processor.tokenizer, request, processor=self.processor)
+
+    def answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], Seen]:
+        """The author's ``systemone`` response, and what its head saw and said."""
+        self._seen.clear()
+        response = self.module.systemone(self.model, self.processor, request)
+        if len(self._seen) != 1:
+            raise RuntimeError(f"the author's head ran {len(self._seen)} times for one request")
+        (hidden, input_ids, mask, records, _table), logits = self._seen[0]
+        self._seen.clear()
+        length = int(mask[0].sum().item())
+        seen = Seen(
+            hidden=hidden[0, :length].float().cpu().numpy(),
+            ids=input_ids[0, :length].cpu().numpy(),
+            record=records[0],
+            # systemone's own conversion: question_logits.float().softmax(-1)
+            probs=[q.float().softmax(-1).cpu().numpy() for q in logits[0]],
+        )
+        return response, seen
