@@ -2,9 +2,12 @@
 
 ClefHeadGraph -> ``torch.export`` per bucket (static T) -> coremltools (macOS 15 opset, fp32 math)
 -> the ``clef::fp16_storage`` pass (every fp32 constant that fp16 holds exactly is stored fp16 behind
-a ``constexpr_cast``) -> one package per bucket -> ``save_multifunction`` (weights shared by all
-functions, stored once) -> one ``.mlpackage`` with functions ``t512`` … ``t4096`` -> the spec
-serialised deterministically, name-based item identifiers in ``Manifest.json``.
+a ``constexpr_cast``; equal ones are one array across functions) -> each function added to one
+in-memory multi-function program -> ``share_weights`` (the functions' equal constants stored once,
+grouped as ``save_multifunction`` groups them) -> one ``.mlpackage`` written once, with functions
+``t512`` … ``t4096`` -> the spec serialised deterministically, name-based item identifiers in
+``Manifest.json``. The package is byte-identical to the one the per-bucket packages joined by
+``save_multifunction`` gave (tested against coremltools' own grouping).
 
 The same functions as every backend (``backends.Backend``).
 
@@ -20,7 +23,6 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import sys
 import uuid
 import warnings
@@ -45,6 +47,7 @@ SCHEMA_FILE = "metadata-mlpackage.schema.json"
 AOT = False  # coreai-build compiles .aimodel assets only
 DEPLOYMENT_TARGET = "macOS15"  # the first release with multi-function models (spec 9, opset CoreML8)
 OPSET = "CoreML8"
+SPECIFICATION_VERSION = 9  # macOS 15 / iOS 18: multi-function models
 FP16_MIN_ELEMENTS = 16  # smaller constants (scalars, shapes) stay as they are: no storage to save
 MODEL_FILE = "Data/com.apple.CoreML/model.mlmodel"
 WEIGHT_FILE = "Data/com.apple.CoreML/weights/weight.bin"
@@ -148,6 +151,51 @@ def import_toolchain():
 
 
 _PASS = "clef::fp16_storage"
+# While functions are converted for one package, equal fp16 constants are one array: the four
+# functions' weights take the memory of one, and sharing them is an identity test (``share_weights``).
+_INTERNED: dict[tuple, np.ndarray] | None = None
+
+
+def _intern(a: np.ndarray) -> np.ndarray:
+    if _INTERNED is None:
+        return a
+    key = (a.dtype.str, a.shape, hashlib.sha256(a.tobytes()).digest())
+    return _INTERNED.setdefault(key, a)
+
+
+@contextlib.contextmanager
+def interning():
+    global _INTERNED
+    _INTERNED = {}
+    try:
+        yield
+    finally:
+        _INTERNED = None
+
+
+@contextlib.contextmanager
+def validate_once():
+    """coremltools validates the whole program after each of its ~100 passes (a fifth of a
+    conversion, more on a four-function program); while this is on, a pipeline validates the
+    program once, after its last pass, where the result is checked the same way."""
+    from coremltools.converters.mil.mil import Program
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
+
+    validate, apply = Program.validate, PassPipelineManager.apply_pipeline
+
+    def apply_then_validate(prog, pass_pipeline):
+        Program.validate = lambda self, check_essential_scope=False: None
+        try:
+            apply(prog, pass_pipeline)
+        finally:
+            Program.validate = validate
+        prog.validate(check_essential_scope=True)
+
+    PassPipelineManager.apply_pipeline = staticmethod(apply_then_validate)
+    try:
+        yield
+    finally:
+        PassPipelineManager.apply_pipeline = staticmethod(apply)
 
 
 def register_fp16_pass() -> str:
@@ -184,6 +232,7 @@ def register_fp16_pass() -> str:
                 half = val.astype(np.float16)
                 if not np.array_equal(half.astype(np.float32), val):
                     continue  # not exact in fp16: stays fp32
+                half = _intern(half)
                 new = mb.constexpr_cast(source_val=half, output_dtype="fp32", before_op=op, name=f"{op.name}_fp16")
                 block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=new)
                 block.remove_ops([op])
@@ -199,8 +248,12 @@ def _pipeline(ct, weights: str):
     return pipeline
 
 
-def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int, weights: str, out: Path) -> None:
-    """One static-T trace of ``graph`` converted and saved as a one-function package ``out``."""
+def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int, weights: str):
+    """One static-T trace of ``graph`` converted into an in-memory ML program (pymil), through
+    the same pipelines ``ct.convert(convert_to="mlprogram")`` runs, short of writing a package."""
+    from coremltools.converters.mil.converter import _construct_other_pipelines
+    from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
+
     from .tracing import export_graph
 
     ct = import_toolchain()
@@ -209,60 +262,104 @@ def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int,
         warnings.simplefilter("ignore")
         # coremltools takes the ATen dialect; the graph is in core ATen already: nothing to decompose
         ep = ep.run_decompositions({})
-        model = ct.convert(
+        pipeline = _pipeline(ct, weights)
+        prog = ct.convert(
             ep,
-            convert_to="mlprogram",
+            convert_to="milinternal",  # the program after the main pipeline, kept in memory
             minimum_deployment_target=getattr(ct.target, DEPLOYMENT_TARGET),
             compute_precision=ct.precision.FLOAT32,
             outputs=[ct.TensorType(name=name) for name in contract.OUTPUT_NAMES],
-            pass_pipeline=_pipeline(ct, weights),
-            skip_model_load=True,  # the model cannot be loaded on Linux; nothing here needs it
+            pass_pipeline=pipeline,
         )
-        model.save(str(out))
+        _frontend, backend = _construct_other_pipelines(pipeline, "pytorch", "mlprogram")
+        PassPipelineManager.apply_pipeline(prog, backend)
+        prog._check_early_error_out_for_invalid_program()
+    return prog
 
 
 @dataclass
-class Parts:
-    """Converted one-function packages waiting to be joined (``save``), in a scratch folder beside
-    the package (the same file system, inside the staged bundle)."""
+class Joined:
+    """The functions converted so far, one multi-function program in memory (``save`` writes it)."""
 
-    folder: Path
-    functions: list[tuple[str, Path]]
+    program: Any
     default: str
 
 
-def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str], None] = lambda msg: None) -> Parts:
-    """Each bucket traced and converted on its own (static T) into a one-function package."""
+def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str], None] = lambda msg: None) -> Joined:
+    """Each bucket traced (static T) and converted on its own, then added to one multi-function
+    program; equal fp16 weights are one array in memory (``interning``)."""
     import gc
 
     import_toolchain()
-    parts = Parts(folder=asset_dir.parent / f".{asset_dir.name}.parts", functions=[],
-                  default=contract.function_name(recipe.buckets[0]))
-    parts.folder.mkdir()
-    for bucket in recipe.buckets:
-        name = contract.function_name(bucket)
-        log(f"tracing and converting {name} (coremltools)")
-        part = parts.folder / f"{name}.mlpackage"
-        convert_bucket(graph, bucket, hidden_size, recipe.q_pad, recipe.o_pad, recipe.weights, part)
-        gc.collect()
-        parts.functions.append((name, part))
-    return parts
+    from coremltools.converters.mil.mil import Program
+
+    joined = Joined(program=Program(), default=contract.function_name(recipe.buckets[0]))
+    with interning(), validate_once():
+        for bucket in recipe.buckets:
+            name = contract.function_name(bucket)
+            log(f"tracing and converting {name} (coremltools)")
+            prog = convert_bucket(graph, bucket, hidden_size, recipe.q_pad, recipe.o_pad, recipe.weights)
+            joined.program.add_function(name, prog.functions["main"])
+            del prog
+            gc.collect()
+    return joined
 
 
-def save(parts: Parts, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None) -> None:
-    """The parts joined into one multi-function package (weights shared, stored once), finalised."""
+def share_weights(prog) -> int:
+    """Equal constants of different functions get one ``weight_id``, so the package stores them
+    once. The numbering and the choice of constants are those of coremltools'
+    ``const_deduplication._deduplicate_const_across_functions`` (which ``save_multifunction``
+    runs), with equality tested on the bytes (sha256) instead of ``np.allclose`` over every pair
+    of candidates (a fifth of the join). Returns the number of shared constants."""
+    from coremltools.converters.mil.mil import ListVar
+
+    digests: dict[int, bytes] = {}  # interned arrays are hashed once
+    groups: dict[tuple, list] = {}
+    for block in prog.functions.values():
+        for op in list(block.operations):
+            if op.op_type != "const" or isinstance(op.outputs[0], ListVar):
+                continue
+            if op.weight_id is not None:
+                raise ValueError(f"const op {op.name} already has weight_id {op.weight_id}")
+            var = op.outputs[0]
+            val = var.val
+            # coremltools lowers its threshold to 1 element here: every non-empty tensor or scalar
+            if val is None or isinstance(val, (str, bool)) or np.prod(np.shape(val)) < 1:
+                continue
+            if id(val) not in digests:
+                digests[id(val)] = hashlib.sha256(np.ascontiguousarray(val).tobytes()).digest()
+            groups.setdefault((var.dtype, var.shape, digests[id(val)]), []).append(var)
+    shared = 0
+    for i, group in enumerate(groups.values()):
+        if len(group) > 1:
+            shared += 1
+            for var in group:
+                var.op.weight_id = str(i)
+    return shared
+
+
+def save(joined: Joined, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None) -> None:
+    """The multi-function program written as one package (weights shared, stored once), finalised."""
     ct = import_toolchain()
-    try:
-        desc = ct.utils.MultiFunctionDescriptor()
-        for name, part in parts.functions:
-            desc.add_function(str(part), src_function_name="main", target_function_name=name)
-        desc.default_function_name = parts.default
-        log(f"joining {len(parts.functions)} functions into {asset_dir.name}")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ct.utils.save_multifunction(desc, str(asset_dir))
-    finally:
-        shutil.rmtree(parts.folder, ignore_errors=True)
+    from coremltools.converters.mil.converter import mil_convert
+
+    prog = joined.program
+    log(f"joining {len(prog.functions)} functions into {asset_dir.name}")
+    shared = share_weights(prog)
+    prog.default_function_name = joined.default
+    prog.skip_all_passes = True  # every function went through the pipelines when converted
+    prog.export_as_multifunction = True
+    with warnings.catch_warnings(), validate_once():
+        warnings.simplefilter("ignore")
+        model = mil_convert(prog, convert_to="mlprogram", convert_from="milinternal",
+                            specification_version=SPECIFICATION_VERSION, compute_units=ct.ComputeUnit.CPU_ONLY,
+                            skip_model_load=True)
+        # without the program, save() writes no ExecuTorch debug-handle map into the package (nor
+        # the empty coremltools-version key that writing it adds to the spec): save_multifunction's bytes
+        model._mil_program = None
+        del prog, joined.program
+        model.save(str(asset_dir))
+    log(f"{shared} constants shared by the functions")
     finalize_package(asset_dir, description)
 
 

@@ -265,3 +265,41 @@ def test_check_release_says_it_cannot_run_a_package_here(tmp_path, tiny_package)
     r = CliRunner().invoke(app, ["check-release", str(tmp_path), "--bundle", str(tiny_package)])
     assert r.exit_code == 5 and "cannot run its mlpackage asset on this machine" in r.output, r.output
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_weights_are_shared_as_coremltools_shares_them(tiny_source):
+    """The in-memory join's ``share_weights`` groups the functions' constants exactly as
+    coremltools' own cross-function deduplication (what ``save_multifunction`` runs) does, and the
+    interned fp16 weights are one array in memory for all functions."""
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    from clef_flash.author import load_head
+    from clef_flash.graph import ClefHeadGraph, cast_weights
+    from clef_flash.pins import load_pins
+    from clef_flash.recipe import load_recipe
+
+    recipe = load_recipe(RECIPE)
+    _, config, head = load_head(tiny_source, load_pins(tiny_source / "pins.json"), torch.float16)
+    joined = mlpackage.convert(ClefHeadGraph(cast_weights(head, recipe.weights)).eval(), recipe, config.hidden_size,
+                               Path("unused"))
+    def groups(prog) -> set[frozenset[tuple[str, str]]]:
+        by_id: dict[str, set] = {}
+        for fname, fn in prog.functions.items():
+            for op in fn.operations:
+                if op.op_type == "const" and op.weight_id is not None:
+                    by_id.setdefault(op.weight_id, set()).add((fname, op.name))
+        return {frozenset(g) for g in by_id.values()}
+
+    prog = joined.program
+    shared = mlpackage.share_weights(prog)
+    ours = groups(prog)
+    for fn in prog.functions.values():  # the same program again, shared by coremltools itself
+        for op in fn.operations:
+            if op.op_type == "const":
+                op._weight_id = None
+    PASS_REGISTRY["common::const_deduplication"]._deduplicate_const_across_functions(prog)
+    assert shared == len(ours) > 0 and ours == groups(prog)
+    # one array per weight across the four functions (interning), e.g. the first decoder layer's
+    sources = [op.source_val.val for fn in joined.program.functions.values() for op in fn.operations
+               if op.op_type == "constexpr_cast" and op.source_val.val.size >= 1024]
+    assert len(sources) >= 4 * 8 and len({id(a) for a in sources}) * 4 == len(sources)
