@@ -132,6 +132,13 @@ def load_requests(path: Path) -> list[Request]:
 # ---------------------------------------------------------------- the release and its table
 
 
+def _trusted(release: Path) -> str | None:
+    """The author file's sha256 the release's own pins trust (``pin --trust-author-code``), if any."""
+    from .pins import load_pins
+
+    return load_pins(release / "pins.json").trusted_author_sha256 if (release / "pins.json").is_file() else None
+
+
 def _release_module(release: Path, manifest: Any):
     """The release's head files must be the ones the bundle was built from; the author's file
     runs only when known, or trusted by the release's pins."""
@@ -150,12 +157,7 @@ def _release_module(release: Path, manifest: Any):
         if got != sha:
             raise IntegrityError(f"{path}: sha256 {got[:12]}… is not the bundle's ({sha[:12]}…, {src.hf_id}): "
                                  "the bundle was built from another head")
-    trusted = None
-    if (release / "pins.json").is_file():
-        from .pins import load_pins
-
-        trusted = load_pins(release / "pins.json").trusted_author_sha256
-    check_author_trusted(release / CODE_FILE, want[CODE_FILE], trusted)
+    check_author_trusted(release / CODE_FILE, want[CODE_FILE], _trusted(release))
     module = load_author_module(release / CODE_FILE, want[CODE_FILE])
     for attr in ("encode_record", "systemone", "ClefModel"):
         if not hasattr(module, attr):
@@ -207,12 +209,7 @@ def _build_table(release: Path, tmp: Path, log) -> tuple[np.memmap, dict[str, An
     from .lm_head import TABLE_FILE, lm_head_table, open_table
     from .pinning import pin_local
 
-    trusted = None
-    if (release / "pins.json").is_file():
-        from .pins import load_pins
-
-        trusted = load_pins(release / "pins.json").trusted_author_sha256
-    pins, pins_path = pin_local(release, tmp / "pins.json", trust_author=trusted)
+    pins, pins_path = pin_local(release, tmp / "pins.json", trust_author=_trusted(release))
     result = lm_head_table(release, pins, pins_path, tmp / "table", log=log)
     return open_table(tmp / "table" / TABLE_FILE), {"table": "built from the release", "built": True,
                                                     "sha256": result["sha256"], "source_file": result["source"]["file"]}
