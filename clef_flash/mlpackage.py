@@ -164,13 +164,28 @@ def _intern(a: np.ndarray) -> np.ndarray:
 
 
 @contextlib.contextmanager
-def interning():
+def interning(seed: Any = ()):
+    """Equal fp16 constants are one array while this is on; ``seed`` arrays (the graph's own fp16
+    parameters, as numpy views) come first, so a weight stored as the parameter is that memory."""
     global _INTERNED
     _INTERNED = {}
+    for a in seed:
+        _intern(a)
     try:
         yield
     finally:
         _INTERNED = None
+
+
+def _parameter_views(graph) -> list[np.ndarray]:
+    """The graph's fp16 parameters as numpy views (no copy), with attention's packed in-projection
+    also as its q, k, v thirds (each stored on its own)."""
+    out = []
+    for name, t in graph.state_dict().items():
+        if t.dtype.is_floating_point and t.dtype.itemsize == 2 and t.numel() >= FP16_MIN_ELEMENTS:
+            a = t.detach().numpy()
+            out.extend(piece for _, piece in _pieces(name, a))
+    return out
 
 
 @contextlib.contextmanager
@@ -294,7 +309,7 @@ def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str
     from coremltools.converters.mil.mil import Program
 
     joined = Joined(program=Program(), default=contract.function_name(recipe.buckets[0]))
-    with interning(), validate_once():
+    with interning(_parameter_views(graph)), validate_once():
         for bucket in recipe.buckets:
             name = contract.function_name(bucket)
             log(f"tracing and converting {name} (coremltools)")

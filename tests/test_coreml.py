@@ -280,8 +280,8 @@ def test_weights_are_shared_as_coremltools_shares_them(tiny_source):
 
     recipe = load_recipe(RECIPE)
     _, config, head = load_head(tiny_source, load_pins(tiny_source / "pins.json"), torch.float16)
-    joined = mlpackage.convert(ClefHeadGraph(cast_weights(head, recipe.weights)).eval(), recipe, config.hidden_size,
-                               Path("unused"))
+    graph = ClefHeadGraph(cast_weights(head, recipe.weights)).eval()
+    joined = mlpackage.convert(graph, recipe, config.hidden_size, Path("unused"))
     def groups(prog) -> set[frozenset[tuple[str, str]]]:
         by_id: dict[str, set] = {}
         for fname, fn in prog.functions.items():
@@ -303,3 +303,7 @@ def test_weights_are_shared_as_coremltools_shares_them(tiny_source):
     sources = [op.source_val.val for fn in joined.program.functions.values() for op in fn.operations
                if op.op_type == "constexpr_cast" and op.source_val.val.size >= 1024]
     assert len(sources) >= 4 * 8 and len({id(a) for a in sources}) * 4 == len(sources)
+    # and a weight stored as the parameter is the parameter's own memory, not a copy
+    views = mlpackage._parameter_views(graph)
+    unique = list({id(a): a for a in sources}.values())
+    assert sum(any(np.shares_memory(a, v) for v in views) for a in unique) * 2 >= len(unique)
