@@ -168,15 +168,21 @@ def _release_module(release: Path, manifest: Any):
 
 
 def _lm_head_file(release: Path) -> Path:
+    """The release's checkpoint file that holds ``lm_head.weight`` (through its index when sharded)."""
     from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR
+    from .pinning import lm_head_shard
 
-    if (release / INDEX_FILE).is_file():
-        try:
-            shard = json.loads((release / INDEX_FILE).read_text())["weight_map"][TENSOR]
-        except (ValueError, KeyError, TypeError):
-            raise IntegrityError(f"{release / INDEX_FILE}: no weight_map entry for {TENSOR}") from None
-        return release / shard
-    return release / SINGLE_FILE
+    index_path = release / INDEX_FILE
+    if not index_path.is_file():
+        return release / SINGLE_FILE
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{index_path}: not JSON ({exc})") from None
+    shard = lm_head_shard(index, str(release))
+    if shard is None:
+        raise IntegrityError(f"{index_path}: no weight_map entry for {TENSOR}")
+    return release / shard
 
 
 def _open_given_table(table: Path, release: Path) -> tuple[np.memmap, dict[str, Any]]:

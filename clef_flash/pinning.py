@@ -55,7 +55,7 @@ def _safetensors_keys(path: Path) -> set[str]:
     return {k for k in header if k != "__metadata__"}
 
 
-def _lm_head_file(index: dict[str, Any] | None, where: str) -> str | None:
+def lm_head_shard(index: dict[str, Any] | None, where: str) -> str | None:
     """The shard an index names for ``lm_head.weight``; None when the release ties its embeddings."""
     if index is None:
         return None
@@ -121,7 +121,7 @@ def pin_local(folder: Path, out: Path | None = None, *, name: str | None = None,
             index = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
         except ValueError as exc:
             raise IntegrityError(f"{folder / INDEX_FILE}: not JSON ({exc})") from None
-        shard = _lm_head_file(index, str(folder / INDEX_FILE))
+        shard = lm_head_shard(index, str(folder / INDEX_FILE))
     elif (folder / SINGLE_FILE).is_file():
         shard = SINGLE_FILE if LM_HEAD in _safetensors_keys(folder / SINGLE_FILE) else None
     else:
@@ -173,7 +173,7 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
                 index = json.loads(data)
             except ValueError as exc:
                 raise IntegrityError(f"{where}/{INDEX_FILE}: not JSON ({exc})") from None
-            shard = _lm_head_file(index, f"{where}/{INDEX_FILE}")
+            shard = lm_head_shard(index, f"{where}/{INDEX_FILE}")
             if shard is not None and shard not in infos:
                 infos.update(_paths_info(hf_id, revision, [shard], where))
         elif SINGLE_FILE in infos:
