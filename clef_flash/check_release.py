@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import IntegrityError, NumericError, ToolchainError, UsageError
+from .errors import IntegrityError, ToolchainError, UsageError
 
 # Bars on the probabilities before the author's rounding, by the reference's dtype; data, each
 # with its reason, written into the transcript.
@@ -310,16 +310,11 @@ class CheckReport:
     def ok(self) -> bool:
         return not self.failures
 
-    def raise_for_failures(self) -> None:
-        if self.failures:
-            more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
-            raise NumericError(f"{self.transcript['bundle']}: check-release failed: {self.failures[0]}{more}")
-
 
 def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     """Every request through the author's model and through the shipped head; see the module."""
     from .artifact import check_bundle
-    from .host import HostInputError, Question, answers, check_fits, head_inputs, question_probs
+    from .host import HostInputError, answers, check_fits, head_inputs, question_probs
     from .manifest import pads
     from .provenance import tool_versions
     from .reference import Reference, import_reference
@@ -379,9 +374,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
             if tuple(seen.ids.tolist()) != tuple(encoded.input_ids):
                 raise RuntimeError(f"request {req.id}: systemone encoded other tokens than encode_record")
             entry["reference"] = response
-            questions = [Question(question_type=q.question_type, question_span=q.question_span,
-                                  option_spans=q.option_spans, option_ids=q.option_ids, question_id=q.question_id)
-                         for q in seen.record.questions]
+            questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
             if cfg.red == "spans":
                 questions = _shift_spans(questions, len(seen.ids))
             hi = head_inputs(seen.hidden, seen.ids, questions, shipped_table, bucket, q_pad=q_pad, o_pad=o_pad,
@@ -475,7 +468,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
         "failures": failures,
         "requests": entries,
-        "versions": {**tool_versions(), **{d: _version(d) for d in ("transformers", "accelerate", "tokenizers")}},
+        "versions": tool_versions(extra=("transformers", "accelerate", "tokenizers")),
     }
     return CheckReport(checks=checks, transcript=transcript, failures=failures)
 
@@ -485,11 +478,3 @@ async def _run_all(runner, asset: Path, calls: list[tuple[str, Any]]) -> list[np
     async with runner(asset, names) as call:
         return await asyncio.gather(*[call(name, hi.arrays) for name, hi in calls])
 
-
-def _version(dist: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "missing"

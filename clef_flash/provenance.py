@@ -20,11 +20,12 @@ from .pins import Pins
 TOOLS = ("torch", "coreai-core", "coreai-torch", "coremltools", "numpy", "safetensors", "huggingface_hub")
 
 
-def tool_versions() -> dict[str, str]:
+def tool_versions(extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """Python, clef-export and each toolchain distribution's version (``extra``: more of them)."""
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": platform.python_version(), "clef-export": __version__}
-    for dist in TOOLS:
+    for dist in (*TOOLS, *extra):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
