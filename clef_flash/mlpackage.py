@@ -1,13 +1,15 @@
 """Backend ``mlpackage``: the Core ML package, the same head for Macs without Core AI (macOS 15+).
 
-ClefHeadGraph -> ``torch.export`` per bucket (static T) -> coremltools (macOS 15 opset, fp32 math)
--> the ``clef::fp16_storage`` pass (every fp32 constant that fp16 holds exactly is stored fp16 behind
-a ``constexpr_cast``; equal ones are one array across functions) -> each function added to one
-in-memory multi-function program -> ``share_weights`` (the functions' equal constants stored once,
-grouped as ``save_multifunction`` groups them) -> one ``.mlpackage`` written once, with functions
-``t512`` … ``t4096`` -> the spec serialised deterministically, name-based item identifiers in
-``Manifest.json``. The package is byte-identical to the one the per-bucket packages joined by
-``save_multifunction`` gave (tested against coremltools' own grouping).
+ClefHeadGraph -> ``torch.export`` per bucket (static T) -> coremltools (macOS 15 opset, fp32 math;
+the frontend folds ``weight.float()`` into fp32 values held in the parameters' own fp16 memory,
+``Fp16AsFp32``, not into 4-byte copies) -> the ``clef::fp16_storage`` pass (every fp32 constant
+that fp16 holds exactly is stored fp16 behind a ``constexpr_cast``; equal ones are one array across
+functions) -> each function added to one in-memory multi-function program -> ``share_weights``
+(the functions' equal constants stored once, grouped as ``save_multifunction`` groups them) -> one
+``.mlpackage`` written once, with functions ``t512`` … ``t4096`` -> the spec serialised
+deterministically, name-based item identifiers in ``Manifest.json``. The package is
+byte-identical to the one the per-bucket packages joined by ``save_multifunction`` gave (tested
+against coremltools' own grouping and its own fp32 constants).
 
 The same functions as every backend (``backends.Backend``).
 
@@ -244,9 +246,13 @@ def register_fp16_pass() -> str:
                 val = op.outputs[0].val
                 if not isinstance(val, np.ndarray) or val.dtype != np.float32 or val.size < FP16_MIN_ELEMENTS:
                     continue
-                half = val.astype(np.float16)
-                if not np.array_equal(half.astype(np.float32), val):
-                    continue  # not exact in fp16: stays fp32
+                stored = val.view(np.ndarray)  # a weight the frontend kept in fp16 storage, or fp32
+                if stored.dtype == np.float16:
+                    half = np.ascontiguousarray(stored)  # fp16 values: exact by construction
+                else:
+                    half = stored.astype(np.float16)
+                    if not np.array_equal(half.astype(np.float32), stored):
+                        continue  # not exact in fp16: stays fp32
                 half = _intern(half)
                 new = mb.constexpr_cast(source_val=half, output_dtype="fp32", before_op=op, name=f"{op.name}_fp16")
                 block.replace_uses_of_var_after_op(anchor_op=op, old_var=op.outputs[0], new_var=new)
@@ -254,6 +260,145 @@ def register_fp16_pass() -> str:
 
     register_pass(namespace="clef")(fp16_storage)
     return _PASS
+
+
+# ---------------------------------------------------------------- fp16 storage from the frontend
+
+_F32 = np.dtype(np.float32)
+
+
+def _as_f32(x: Any) -> Any:
+    """A value with fp16 storage as a real fp32 array (anything else as it is); lists and tuples
+    element by element."""
+    if isinstance(x, Fp16AsFp32):
+        return x.view(np.ndarray).astype(np.float32)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_as_f32(v) for v in x)
+    return x
+
+
+def _differ_fp16(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a != b`` for fp16 values given as their bits (uint16): the bits differ, unless both are
+    zeros (+0 == -0); a NaN differs from everything, itself included."""
+    if a.shape == b.shape and a.strides == b.strides and a.ctypes.data == b.ctypes.data:
+        return (a & 0x7FFF) > 0x7C00  # the same memory (how coremltools mostly compares): only NaNs differ
+    magnitude_a, magnitude_b = a & 0x7FFF, b & 0x7FFF
+    differ = (a != b) & ~((magnitude_a == 0) & (magnitude_b == 0))
+    return differ | (magnitude_a > 0x7C00) | (magnitude_b > 0x7C00)
+
+
+# what only moves elements (views in the same dtype) or looks at the layout: these see the storage
+_LAYOUT = frozenset({np.transpose, np.reshape, np.squeeze, np.expand_dims, np.swapaxes, np.moveaxis,
+                     np.ravel, np.shape, np.ndim, np.size, np.shares_memory, np.may_share_memory})
+
+
+class Fp16AsFp32(np.ndarray):
+    """An fp32 value held in fp16 storage: what the torch frontend folds ``weight.float()`` into
+    while ``fp16_frontend`` is on, instead of a 4-byte copy of every weight (487 MB at the real
+    size, the largest part of a conversion's peak memory).
+
+    To coremltools it is an fp32 array: ``dtype`` says fp32, and every computation (ufuncs, numpy
+    functions other than pure layout ones, ``tobytes``, scalars) sees real fp32 values, upcast
+    exactly. Transposes, slices and reshapes stay views of the fp16 storage, so the passes fold and
+    fuse the weights as they do fp32 ones; ``clef::fp16_storage`` then stores that fp16 as it is.
+    ``test_coreml`` checks the package is byte-identical to the one converted from real fp32
+    constants."""
+
+    @property
+    def dtype(self):  # what coremltools reads to type the constant
+        return _F32
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if (method == "__call__" and ufunc in (np.equal, np.not_equal) and not kwargs and len(inputs) == 2
+                and all(isinstance(x, Fp16AsFp32) for x in inputs)):
+            # coremltools compares values whenever it re-infers an op: on the fp16 bits, exactly
+            # as on the fp32 values, without two 4-byte copies (numpy's fp16 compare is slow too)
+            differ = _differ_fp16(*(x.view(np.ndarray).view(np.uint16) for x in inputs))
+            return differ if ufunc is np.not_equal else ~differ
+        if "out" in kwargs:
+            kwargs["out"] = _as_f32(kwargs["out"])
+        return getattr(ufunc, method)(*_as_f32(inputs), **kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        if func in _LAYOUT:
+            return super().__array_function__(func, types, args, kwargs)
+        return func(*_as_f32(args), **{k: _as_f32(v) for k, v in kwargs.items()})
+
+    def __getitem__(self, key):
+        out = super().__getitem__(key)
+        return out if isinstance(out, np.ndarray) else np.float32(out)
+
+    def tobytes(self, order="C"):
+        return _as_f32(self).tobytes(order)
+
+    def dot(self, b, out=None):
+        return np.dot(self, b, out=out)
+
+
+def _is_fp16_weight(var) -> bool:
+    val = var.val if var is not None and var.can_be_folded_to_const() else None
+    return (isinstance(val, np.ndarray) and not isinstance(val, Fp16AsFp32)
+            and val.dtype == np.float16 and val.size >= FP16_MIN_ELEMENTS)
+
+
+@contextlib.contextmanager
+def fp16_frontend():
+    """While on, the torch frontend folds ``x.to(float32)`` of an fp16 constant (the graph's
+    ``weight.float()``) into an fp32 constant held in fp16 storage (``Fp16AsFp32``, the parameter's
+    own memory) instead of materialising fp32; everything else converts as before. coremltools'
+    in-function constant deduplication hashes those values as fp32, as it hashes real fp32 ones."""
+    import_toolchain()
+    import torch
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch import ops as torch_ops
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
+    from coremltools.converters.mil.frontend.torch.utils import NUM_TO_TORCH_DTYPE
+    from coremltools.converters.mil.mil.passes.defs.cleanup import const_deduplication
+
+    registry = _TORCH_OPS_REGISTRY.name_to_func_mapping
+    original = {name: registry[name] for name in ("to", "_to_copy")}
+
+    def to(context, node):
+        # read without building anything: the frontend names constants by a counter, so one
+        # more const (parsing a literal builds one) would rename every later one
+        raw = (node.kwinputs or {}).get("dtype") if node.kind == "_to_copy" else None
+        code = raw[0] if isinstance(raw, (list, tuple)) and len(raw) == 1 and isinstance(raw[0], int) else None
+        x = context[node.inputs[0]] if code is not None and node.inputs and node.inputs[0] in context else None
+        if x is not None and _is_fp16_weight(x) and NUM_TO_TORCH_DTYPE.get(code) == torch.float32:
+            # what the original builds, in its order (its input parsing turns the dtype literal
+            # into a const), then the folded value as an unnamed const: fp16 storage, not a copy
+            torch_ops._get_inputs(context, node)
+            torch_ops._get_kwinputs(context, node, "dtype")
+            context.add(mb.const(val=x.val.view(Fp16AsFp32)), node.name)
+            return
+        original["to"](context, node)
+
+    class _Numpy:  # numpy, with ascontiguousarray giving fp32 bytes for fp16-stored values
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def ascontiguousarray(a, *args, **kwargs):
+            return np.ascontiguousarray(_as_f32(a), *args, **kwargs)
+
+    for name in original:
+        registry[name] = to
+    const_deduplication.np = _Numpy()
+    try:
+        yield
+    finally:
+        registry.update(original)
+        const_deduplication.np = np
+
+
+def _check_no_fp16_frontend_values(prog) -> None:
+    """Every fp16-stored value was stored by ``clef::fp16_storage``; one left would be written as
+    whatever coremltools makes of it, so it is an error, not a guess."""
+    for name, fn in prog.functions.items():
+        for op in fn.operations:
+            if op.op_type == "const" and isinstance(op.outputs[0].val, Fp16AsFp32):
+                raise ToolchainError(f"coremltools conversion left constant {op.name} of function {name} "
+                                     "in fp16 frontend storage (clef::fp16_storage did not store it)")
 
 
 def _pipeline(ct, weights: str):
@@ -266,12 +411,15 @@ def _pipeline(ct, weights: str):
 def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int, weights: str):
     """One static-T trace of ``graph`` converted into an in-memory ML program (pymil), through
     the same pipelines ``ct.convert(convert_to="mlprogram")`` runs, short of writing a package."""
-    from coremltools.converters.mil.converter import _construct_other_pipelines
+    from coremltools.converters.mil.converter import _construct_other_pipelines, _reset_conversion_state
     from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
 
     from .tracing import export_graph
 
     ct = import_toolchain()
+    # op names come from counters that only a finished conversion clears; a program built before
+    # in this process (a test, a tool) would otherwise shift every name of this one
+    _reset_conversion_state()
     ep = export_graph(graph, (bucket,), hidden_size, q_pad, o_pad)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -289,6 +437,7 @@ def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int,
         _frontend, backend = _construct_other_pipelines(pipeline, "pytorch", "mlprogram")
         PassPipelineManager.apply_pipeline(prog, backend)
         prog._check_early_error_out_for_invalid_program()
+    _check_no_fp16_frontend_values(prog)
     return prog
 
 
@@ -309,7 +458,7 @@ def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str
     from coremltools.converters.mil.mil import Program
 
     joined = Joined(program=Program(), default=contract.function_name(recipe.buckets[0]))
-    with interning(_parameter_views(graph)), validate_once():
+    with interning(_parameter_views(graph)), validate_once(), fp16_frontend():
         for bucket in recipe.buckets:
             name = contract.function_name(bucket)
             log(f"tracing and converting {name} (coremltools)")

@@ -307,3 +307,79 @@ def test_weights_are_shared_as_coremltools_shares_them(tiny_source):
     views = mlpackage._parameter_views(graph)
     unique = list({id(a): a for a in sources}.values())
     assert sum(any(np.shares_memory(a, v) for v in views) for a in unique) * 2 >= len(unique)
+
+
+def _tiny_graph(tiny_source):
+    from clef_flash.author import load_head
+    from clef_flash.graph import ClefHeadGraph, cast_weights
+    from clef_flash.pins import load_pins
+    from clef_flash.recipe import load_recipe
+
+    recipe = load_recipe(RECIPE)
+    _, config, head = load_head(tiny_source, load_pins(tiny_source / "pins.json"), torch.float16)
+    return recipe, config, ClefHeadGraph(cast_weights(head, recipe.weights)).eval()
+
+
+def test_fp16_frontend_writes_the_package_fp32_constants_give(tmp_path, monkeypatch, tiny_source):
+    """Weights folded into fp16 storage by the frontend (no fp32 copy) give the same package,
+    byte for byte, as the fp32 constants coremltools' own frontend folds them into."""
+    import contextlib
+
+    recipe, config, graph = _tiny_graph(tiny_source)
+    description = {"author": "test", "version": "0"}
+    files = {}
+    for arm in ("fp16 storage", "fp32 copies"):
+        if arm == "fp32 copies":
+            monkeypatch.setattr(mlpackage, "fp16_frontend", contextlib.nullcontext)
+        out = tmp_path / arm.replace(" ", "-") / "head.mlpackage"
+        out.parent.mkdir()
+        mlpackage.save(mlpackage.convert(graph, recipe, config.hidden_size, out), out, description)
+        files[arm] = {rel: (out / rel).read_bytes() for rel in (mlpackage.MODEL_FILE, mlpackage.WEIGHT_FILE)}
+    assert files["fp16 storage"] == files["fp32 copies"]
+
+
+def test_fp16_frontend_keeps_every_weight_in_the_parameters_memory(tiny_source):
+    """After the frontend (no pass run yet) every weight constant is the parameter's own fp16
+    memory seen as fp32, not a 4-byte copy: were the frontend's ``to`` not replaced (an op renamed,
+    its arguments spelled differently), the package would stay the same and only memory would grow."""
+    from clef_flash import contract
+    from clef_flash.tracing import export_graph
+
+    recipe, config, graph = _tiny_graph(tiny_source)
+    ct = mlpackage.import_toolchain()
+    ep = export_graph(graph, (recipe.buckets[0],), config.hidden_size, recipe.q_pad, recipe.o_pad).run_decompositions({})
+    with mlpackage.fp16_frontend():
+        prog = ct.convert(ep, convert_to="milinternal", minimum_deployment_target=ct.target.macOS15,
+                          compute_precision=ct.precision.FLOAT32, pass_pipeline=ct.PassPipeline.EMPTY,
+                          outputs=[ct.TensorType(name=n) for n in contract.OUTPUT_NAMES])
+    views = mlpackage._parameter_views(graph)
+    weights = [op.outputs[0].val for op in prog.functions["main"].operations if op.op_type == "const"
+               and isinstance(op.outputs[0].val, np.ndarray) and op.outputs[0].val.size >= 1024
+               and op.outputs[0].val.dtype == np.float32]
+    assert len(weights) >= 8
+    assert all(isinstance(w, mlpackage.Fp16AsFp32) and any(np.shares_memory(w, v) for v in views) for w in weights)
+
+
+def test_fp16_storage_reads_as_fp32_values():
+    """What coremltools may do with a weight's value gives what it gives on the fp32 array:
+    dtype, arithmetic, comparisons (zeros of both signs, NaNs, infinities), bytes, scalars, dot;
+    layout operations stay views of the fp16 storage."""
+    rng = np.random.default_rng(0)
+    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1.0, -1.0, 6e-8, 65504.0], dtype=np.float16)
+    a16 = np.concatenate([special, rng.standard_normal(247).astype(np.float16)]).reshape(16, 16)
+    b16 = a16.copy()
+    b16[rng.integers(0, 16, 40), rng.integers(0, 16, 40)] = rng.standard_normal(40).astype(np.float16)
+    b16[0, 1] = 0.0  # -0.0 against +0.0
+    a, b = a16.view(mlpackage.Fp16AsFp32), b16.view(mlpackage.Fp16AsFp32)
+    a32, b32 = a16.astype(np.float32), b16.astype(np.float32)
+    assert a.dtype == np.float32
+    for x, y, x32, y32 in ((a, b, a32, b32), (a, a, a32, a32), (a[::2], a[1::2], a32[::2], a32[1::2])):
+        assert np.array_equal(x != y, x32 != y32) and np.array_equal(x == y, x32 == y32)
+    with np.errstate(all="ignore"):
+        assert np.array_equal(a + b, a32 + b32, equal_nan=True) and (a * 3).dtype == np.float32
+        assert np.array_equal(np.dot(a, b), np.dot(a32, b32), equal_nan=True)
+        assert np.array_equal(a.dot(b), a32.dot(b32), equal_nan=True)
+        assert np.allclose(a, a, equal_nan=True) and a.sum().dtype == np.float32
+    assert a.tobytes() == a32.tobytes() and type(a[0, 5]) is np.float32
+    for view in (np.transpose(a), a.T, a[2:5], np.reshape(a, (-1,)), np.expand_dims(a, 0)):
+        assert isinstance(view, mlpackage.Fp16AsFp32) and np.shares_memory(view, a16)
