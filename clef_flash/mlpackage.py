@@ -336,9 +336,8 @@ class Fp16AsFp32(np.ndarray):
 
 
 def _is_fp16_weight(var) -> bool:
-    val = var.val if var is not None and var.can_be_folded_to_const() else None
-    return (isinstance(val, np.ndarray) and not isinstance(val, Fp16AsFp32)
-            and val.dtype == np.float16 and val.size >= FP16_MIN_ELEMENTS)
+    val = var.val if var.can_be_folded_to_const() else None  # (an Fp16AsFp32 reads fp32: not one)
+    return isinstance(val, np.ndarray) and val.dtype == np.float16 and val.size >= FP16_MIN_ELEMENTS
 
 
 @contextlib.contextmanager

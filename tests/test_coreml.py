@@ -267,12 +267,7 @@ def test_check_release_says_it_cannot_run_a_package_here(tmp_path, tiny_package)
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-def test_weights_are_shared_as_coremltools_shares_them(tiny_source):
-    """The in-memory join's ``share_weights`` groups the functions' constants exactly as
-    coremltools' own cross-function deduplication (what ``save_multifunction`` runs) does, and the
-    interned fp16 weights are one array in memory for all functions."""
-    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
-
+def _tiny_graph(tiny_source):
     from clef_flash.author import load_head
     from clef_flash.graph import ClefHeadGraph, cast_weights
     from clef_flash.pins import load_pins
@@ -280,7 +275,16 @@ def test_weights_are_shared_as_coremltools_shares_them(tiny_source):
 
     recipe = load_recipe(RECIPE)
     _, config, head = load_head(tiny_source, load_pins(tiny_source / "pins.json"), torch.float16)
-    graph = ClefHeadGraph(cast_weights(head, recipe.weights)).eval()
+    return recipe, config, ClefHeadGraph(cast_weights(head, recipe.weights)).eval()
+
+
+def test_weights_are_shared_as_coremltools_shares_them(tiny_source):
+    """The in-memory join's ``share_weights`` groups the functions' constants exactly as
+    coremltools' own cross-function deduplication (what ``save_multifunction`` runs) does, and the
+    interned fp16 weights are one array in memory for all functions."""
+    from coremltools.converters.mil.mil.passes.pass_registry import PASS_REGISTRY
+
+    recipe, config, graph = _tiny_graph(tiny_source)
     joined = mlpackage.convert(graph, recipe, config.hidden_size, Path("unused"))
     def groups(prog) -> set[frozenset[tuple[str, str]]]:
         by_id: dict[str, set] = {}
@@ -307,17 +311,6 @@ def test_weights_are_shared_as_coremltools_shares_them(tiny_source):
     views = mlpackage._parameter_views(graph)
     unique = list({id(a): a for a in sources}.values())
     assert sum(any(np.shares_memory(a, v) for v in views) for a in unique) * 2 >= len(unique)
-
-
-def _tiny_graph(tiny_source):
-    from clef_flash.author import load_head
-    from clef_flash.graph import ClefHeadGraph, cast_weights
-    from clef_flash.pins import load_pins
-    from clef_flash.recipe import load_recipe
-
-    recipe = load_recipe(RECIPE)
-    _, config, head = load_head(tiny_source, load_pins(tiny_source / "pins.json"), torch.float16)
-    return recipe, config, ClefHeadGraph(cast_weights(head, recipe.weights)).eval()
 
 
 def test_fp16_frontend_writes_the_package_fp32_constants_give(tmp_path, monkeypatch, tiny_source):
