@@ -218,6 +218,29 @@ def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str
     return program
 
 
+def save_streamed(program, asset_dir: Path, metadata):
+    """``save_asset`` without reading ``main.mlirb`` back whole (it does, to hash it: 16 GB of
+    anonymous memory for a 9B backbone): the asset folder and its metadata through coreai's own
+    writer, the bytecode serialised to its file, ``main.hash`` its sha256 taken in blocks. Private
+    coreai API, pinned with coreai-core 1.0.0b3; a test holds the files byte-equal to ``save_asset``."""
+    from coreai.authoring.asset import _COREAI_PRODUCER, AIModelAsset, _AIModelAsset
+
+    asset_dir = Path(asset_dir)
+    if asset_dir.suffix != SUFFIX:
+        raise ValueError(f"{asset_dir}: an asset folder ends in {SUFFIX}")
+    asset_dir.mkdir(parents=True)
+    asset = _AIModelAsset._create(path=str(asset_dir), metadata=metadata)  # noqa: SLF001
+    program._save_bytecode(asset._program_bytecode_path)  # noqa: SLF001
+
+    def _stamp(m) -> None:
+        m.creation_date = time.time()
+        m._producer = _COREAI_PRODUCER  # noqa: SLF001
+
+    asset.update_metadata(updates=_stamp)
+    asset._program_hash_path.write_bytes(bytes.fromhex(sha256_file(asset._program_bytecode_path)))  # noqa: SLF001
+    return AIModelAsset._wrap(asset)  # noqa: SLF001
+
+
 def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None) -> None:
     """``save_asset``, then the same bytes from the same content on any machine: weight blobs named
     after their bytes (the compiler keys them by a per-process hash), ``main.hash`` to match, the
@@ -232,7 +255,7 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
     meta.author = description["author"]
     meta.license = description["license"]
     meta.model_description = description["description"]
-    asset = program.save_asset(asset_dir, metadata=meta)
+    asset = save_streamed(program, asset_dir, meta)
     epoch = source_date_epoch()
     if epoch is not None:
         asset.update_metadata(lambda m: setattr(m, "creation_date", float(epoch)))

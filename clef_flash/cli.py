@@ -240,13 +240,18 @@ def synth_release(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
     backbone: Annotated[str, typer.Option("--backbone", help="qwen3_5: a real tiny Qwen3.5 backbone and byte-level tokenizer (needs the reference extra); stub: the export's tensors only.")] = "qwen3_5",
     author_code: Annotated[Path, typer.Option("--author-code", help="The verified joint_schema_model.py.")] = Path(".cache/author/joint_schema_model.py"),
+    variant: Annotated[str, typer.Option("--variant", help="tiny: make-tiny's configuration; other: another Qwen3.5 text "
+                                         "configuration (widths, layer pattern, conv kernel), sharded with an index.")] = "tiny",
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Write a tiny random release in clef-finetune's layout (make-tiny's head configuration); labelled tiny-random."""
-    from .synth import MAKE_TINY_HEAD, write_release
+    from .synth import MAKE_TINY_HEAD, OTHER_HEAD, VARIANTS, write_release
 
     if backbone not in ("qwen3_5", "stub"):
         err.print(f"[bold red]error:[/] --backbone must be qwen3_5 or stub, got {backbone!r}")
+        raise typer.Exit(2)
+    if variant not in VARIANTS or (variant != "tiny" and backbone != "qwen3_5"):
+        err.print(f"[bold red]error:[/] --variant must be one of {', '.join(VARIANTS)} (other needs --backbone qwen3_5), got {variant!r}")
         raise typer.Exit(2)
 
     def go():
@@ -254,8 +259,8 @@ def synth_release(
             from .reference import import_reference
 
             import_reference()
-        return write_release(out_dir, config_name=MAKE_TINY_HEAD, seed=seed, author_code=author_code,
-                             backbone=backbone, overwrite=overwrite)
+        return write_release(out_dir, config_name=MAKE_TINY_HEAD if variant == "tiny" else OTHER_HEAD, seed=seed,
+                             author_code=author_code, backbone=backbone, overwrite=overwrite, variant=variant)
 
     _run(go)
     err.print(f"tiny random release ({backbone} backbone, seed {seed}) in {out_dir}; pin it with clef-export pin {out_dir}")
@@ -286,6 +291,14 @@ def build(
     def go():
         recipe_path = recipe or format_recipe(format or DEFAULT_FORMAT)
         r = load_recipe(recipe_path)
+        if getattr(r, "model", "head") == "backbone":
+            from .backbone.build import build_backbone
+
+            if aot_compile:
+                raise UsageError(f"{recipe_path}: --aot is not offered for a backbone bundle yet")
+            return build_backbone(BuildConfig(recipe=r, recipe_path=recipe_path, source=source,
+                                              pins_path=_pins(pins, source), out=out, name=name, overwrite=overwrite,
+                                              dry_run=dry_run, verify=verify), log=_log)
         if format is not None and r.format != backend(format).FORMAT:
             raise UsageError(f"{recipe_path}: the recipe's format is {r.format}, not --format {format}")
         if aot_compile and not backend(r.format).AOT:
@@ -314,6 +327,18 @@ def build(
     m = result.manifest
     if json_out:
         _emit_json(m.model_dump(mode="json"))
+    if getattr(m, "kind", None) == "decision-backbone":
+        v = result.record.get("verify") or {}
+        err.print(f"[bold green]built[/] {result.bundle}: main.mlirb {m.export.main_mlirb.bytes:,} bytes "
+                  f"({m.export.mlirb_over_weights:.4f} x the fp16 weights), total {m.export.seconds['total']:.1f} s"
+                  + (" [yellow](synthetic source)[/]" if result.record.get("synthetic") else ""))
+        if v.get("records"):
+            worst = max(r["rel_max_abs_d"] for r in v["records"].values())
+            err.print(f"verified: {len(v['records'])} records, rel max |d| {worst:.2e} (bar {v['bars']['rel_max_abs_d']:g}); "
+                      f"red arms " + ", ".join(f"{k} {x:.2g}" for k, x in v["red"].items()))
+        for note in v.get("notes", []):
+            err.print(f"[yellow]not run here[/]: {note}")
+        return
     s = m.export.seconds
     from .backends import of_manifest
 
@@ -369,6 +394,9 @@ def verify(
     if records < 1:
         err.print("[bold red]error:[/] --records must be >= 1")
         raise typer.Exit(2)
+    if _is_backbone(bundle):
+        _verify_backbone(bundle, source, pins, seed, transcript, json_out)
+        return
     cfg = VerifyConfig(bundle=bundle, source=source, pins_path=_pins(pins, source), records=records, seed=seed, red=red, recorded=recorded)
     report = _run(lambda: verify_bundle(cfg, log=_log))
     if transcript:
@@ -384,6 +412,45 @@ def verify(
         err.print(f"[bold green]checked[/]: {len(report.checks)} checks passed; outputs not compared on this platform")
     else:
         err.print("[bold green]verified[/]: every bar passed")
+
+
+def _is_backbone(bundle: Path) -> bool:
+    try:
+        return json.loads((Path(bundle) / "metadata.json").read_text(encoding="utf-8")).get("kind") == "decision-backbone"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _verify_backbone(bundle: Path, source, pins, seed: int, transcript, json_out: bool) -> None:
+    from .backbone.gate import BackboneVerifyConfig, verify_backbone
+    from .bundle import atomic_write_json
+
+    cfg = BackboneVerifyConfig(bundle=bundle, source=source, pins_path=_pins(pins, source), seed=seed)
+    report = _run(lambda: verify_backbone(cfg, log=_log))
+    if transcript:
+        _run(lambda: atomic_write_json(transcript, report.transcript))
+    if json_out:
+        _emit_json(report.transcript)
+    t = Table(title=f"verify {bundle} (backbone, compute {report.compute})")
+    for col in ("record", "tokens", "calls", "rel max |d|", "min row cosine", "result"):
+        t.add_column(col)
+    bars = report.summary()["bars"]
+    for r in report.results:
+        inside = r.rel_max_abs_d <= bars["rel_max_abs_d"] and r.min_row_cosine >= bars["min_row_cosine"]
+        ok = inside if r.arm == "main" else not inside
+        t.add_row(r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", str(r.tokens), str(r.calls),
+                  f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}", "[green]pass[/]" if ok else "[red]FAIL[/]")
+    err.print(t)
+    for name, ok, detail in report.checks:
+        err.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
+    err.print("  bars: " + "; ".join(f"{k} {v:g}" for k, v in bars.items()))
+    for note in report.notes:
+        err.print(f"  [yellow]not run here[/]: {note}")
+    if not report.ok:
+        for f in report.failures:
+            err.print(f"[bold red]FAIL[/] {escape(f)}")
+        raise typer.Exit(4)
+    err.print("[bold green]verified[/]: every bar passed" + (" (numeric check not run, see above)" if report.notes else ""))
 
 
 def _print_check(report) -> None:
@@ -530,10 +597,19 @@ def verify_artifact(bundle: Annotated[Path, typer.Argument(help="A built bundle 
 
 
 @app.command()
-def schema(format: Annotated[Optional[str], typer.Option("--format", help=FORMAT_HELP)] = None) -> None:
+def schema(format: Annotated[Optional[str], typer.Option("--format", help=FORMAT_HELP)] = None,
+           kind: Annotated[str, typer.Option("--kind", help="head (decision-head) or backbone (decision-backbone).")] = "head") -> None:
     """Print the JSON Schema of metadata.json (manifests/metadata*.schema.json hold them)."""
     from .backends import DEFAULT_FORMAT, json_schema
 
+    if kind not in ("head", "backbone"):
+        err.print(f"[bold red]error:[/] --kind must be head or backbone, got {kind!r}")
+        raise typer.Exit(2)
+    if kind == "backbone":
+        from .backbone.manifest import json_schema as backbone_schema
+
+        _emit_json(backbone_schema())
+        return
     _emit_json(_run(lambda: json_schema(format or DEFAULT_FORMAT)))
 
 

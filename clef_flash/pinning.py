@@ -32,6 +32,10 @@ from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR as LM_HEAD
 from .pins import CODE_FILE, HEAD_FILES, HEX40, Pins
 
 PROVENANCE_FILE = "CLEF_FINETUNE.json"
+BACKBONE_CONFIG = "config.json"
+# the tokenizer files a backbone bundle ships (those the release has)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
 TINY_MARKER = "TINY_RANDOM_MODEL.txt"
 # what the release record keeps of CLEF_FINETUNE.json
 PROVENANCE_KEYS = ("tool", "base_model", "checkpoint", "dtype", "head_dtype", "joint_schema_model_sha256")
@@ -134,6 +138,19 @@ def pin_local(folder: Path, out: Path | None = None, *, name: str | None = None,
         release["lm_head_file"] = shard
     else:
         release["lm_head_file"] = None  # tied embeddings or no checkpoint: lm-head-table will say so
+    # the backbone: its config, every shard (a backbone build reads them all) and the tokenizer files
+    for f in (BACKBONE_CONFIG, *TOKENIZER_FILES):
+        if (folder / f).is_file():
+            files[f] = sha256_file(folder / f)
+    shards = sorted(set(index["weight_map"].values())) if isinstance(index, dict) and isinstance(index.get("weight_map"), dict) \
+        else [SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else []
+    for f in shards:
+        if f in files:
+            continue
+        if not isinstance(f, str) or "/" in f or f.startswith(".") or not (folder / f).is_file():
+            raise IntegrityError(f"{folder / INDEX_FILE}: names shard {f!r}, which the folder does not hold")
+        log(f"hashing {f} ({(folder / f).stat().st_size:,} bytes) for the backbone")
+        files[f] = sha256_file(folder / f)
     pins = Pins(hf_id=f"local/{release_name}", revision=None, origin="local", name=release_name,
                 files=dict(sorted(files.items())), release=release,
                 trusted_author_sha256=trust_author if trust_author and trust_author == files[CODE_FILE] else None,
@@ -154,7 +171,7 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
     out = Path(out)
     check_output_path(out, overwrite)
     where = f"{hf_id}@{revision[:12]}"
-    infos = _paths_info(hf_id, revision, [*HEAD_FILES, INDEX_FILE, SINGLE_FILE], where)
+    infos = _paths_info(hf_id, revision, [*HEAD_FILES, INDEX_FILE, SINGLE_FILE, BACKBONE_CONFIG, *TOKENIZER_FILES], where)
     files: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="clef-pin-") as cache:
         def small(path: str) -> bytes:
@@ -174,14 +191,26 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
             except ValueError as exc:
                 raise IntegrityError(f"{where}/{INDEX_FILE}: not JSON ({exc})") from None
             shard = lm_head_shard(index, f"{where}/{INDEX_FILE}")
-            if shard is not None and shard not in infos:
-                infos.update(_paths_info(hf_id, revision, [shard], where))
+            shards = sorted({s for s in index.get("weight_map", {}).values() if isinstance(s, str)})
+            bad = [s for s in shards if "/" in s or s.startswith(".")]
+            if bad:
+                raise IntegrityError(f"{where}/{INDEX_FILE}: names shard {bad[0]!r}")
+            wanted = [s for s in shards if s not in infos]
+            if wanted:
+                infos.update(_paths_info(hf_id, revision, wanted, where))
+            for s in shards:  # the backbone's shards: LFS files, pinned by their LFS sha256
+                if s not in infos:
+                    raise IntegrityError(f"{where}/{s}: named in {INDEX_FILE} but not in the repo")
+                files[s] = _lfs_sha256(infos[s]) or sha256_bytes(small(s))
         elif SINGLE_FILE in infos:
             shard = SINGLE_FILE  # its header is not read here: lm-head-table checks the tensor is there
-        if shard is not None:
+        if shard is not None and shard not in files:
             if shard not in infos:
                 raise IntegrityError(f"{where}/{shard}: named for {LM_HEAD} but not in the repo")
             files[shard] = _lfs_sha256(infos[shard]) or sha256_bytes(small(shard))
+        for f in (BACKBONE_CONFIG, *TOKENIZER_FILES):  # small git files: their blob sha1 checked
+            if f in infos:
+                files[f] = _lfs_sha256(infos[f]) or sha256_bytes(small(f))
     log(f"pinned {len(files)} files of {where}")
     pins = Pins(hf_id=hf_id, revision=revision, origin="hub", name=name, files=dict(sorted(files.items())),
                 trusted_author_sha256=trust_author if trust_author and trust_author == files[CODE_FILE] else None,

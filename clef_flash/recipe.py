@@ -79,7 +79,51 @@ class Recipe(BaseModel):
         return Shape(buckets=self.buckets, q_pad=self.q_pad, o_pad=self.o_pad)
 
 
-def load_recipe(path: Path | None) -> Recipe:
+class BackboneVerifyPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    enabled: bool = True
+    seed: int = 0
+    # the numeric gate runs when the decoder has at most this many parameters (fp16 arithmetic on
+    # the Linux CPU runtime takes minutes a chunk at real width); descriptor and weights always
+    numeric_max_parameters: int = Field(default=2_000_000_000, ge=0)
+    long_record: int | None = Field(default=None, ge=1)
+
+
+class BackboneRecipe(BaseModel):
+    """A backbone recipe: the release's Qwen3.5 text decoder, one chunked function with states."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: Literal["backbone"]
+    name: str = Field(pattern=r"^(\{release\}|[A-Za-z0-9])[A-Za-z0-9_.-]*$")
+    chunk: int = Field(default=64, ge=2, le=4096)
+    context: int = Field(default=4096, ge=2)
+    weights: Literal["fp16"] = "fp16"
+    compute: Literal["fp16", "fp32"] = "fp16"
+    format: Literal["aimodel"] = "aimodel"
+    verify: BackboneVerifyPlan = BackboneVerifyPlan()
+
+    _plain_name = field_validator("name")(Recipe._plain_name.__func__)  # type: ignore[attr-defined]
+
+    @field_validator("context")
+    @classmethod
+    def _whole_chunks(cls, v: int, info) -> int:
+        chunk = info.data.get("chunk")
+        if chunk and v % chunk:
+            raise ValueError(f"context {v} must be a multiple of the chunk {chunk}")
+        return v
+
+    def bundle_name(self, release: str) -> str:
+        return self.name.replace(RELEASE, release)
+
+    @property
+    def long_record(self) -> int:
+        return self.verify.long_record or self.context - self.chunk + 1
+
+
+AnyRecipe = Recipe | BackboneRecipe
+
+
+def load_recipe(path: Path | None) -> AnyRecipe:
     path = Path(path) if path else DEFAULT_RECIPE
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -88,6 +132,9 @@ def load_recipe(path: Path | None) -> Recipe:
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: recipe is not valid TOML ({exc})") from None
     try:
+        if isinstance(data, dict) and data.get("model", "head") == "backbone":
+            return BackboneRecipe.model_validate(data)
+        data = {k: v for k, v in data.items() if not (k == "model" and v == "head")}
         return Recipe.model_validate(data)
     except ValidationError as exc:
         raise UsageError(f"{path}: invalid recipe {first_validation_error(exc)}") from None

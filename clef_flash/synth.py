@@ -155,7 +155,7 @@ RELEASE_TINY_MARKER = "TINY_RANDOM_MODEL.txt"
 
 
 def write_release(out: Path, *, config_name: str | dict, seed: int, author_code: Path, vocab: int = 512,
-                  layout: str = "single", backbone: str = "stub", overwrite: bool = False) -> Path:
+                  layout: str = "single", backbone: str = "stub", overwrite: bool = False, variant: str = "tiny") -> Path:
     """A release folder in clef-finetune's layout, with random weights: ``config.json``, the
     backbone's ``model.safetensors`` (``single``; ``sharded`` with an index; ``tied``: no
     ``lm_head.weight``), the head's three files as ``merge`` writes them (the author's unmodified
@@ -198,7 +198,8 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         meta = {"format": "pt"}
         if backbone == "qwen3_5":
-            write_qwen3_5_backbone(tmp, hidden=hidden, vocab=vocab, seed=seed)
+            text, shard = VARIANTS[variant]
+            write_qwen3_5_backbone(tmp, hidden=hidden, vocab=vocab, seed=seed, text=text, max_shard_size=shard)
         elif layout == "sharded":
             from .lm_head import INDEX_FILE
 
@@ -258,10 +259,27 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
-def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int) -> None:
+# Another Qwen3.5 text configuration than make-tiny's, for the backbone's tests: other widths and
+# head counts, grouped linear-attention heads of unequal key / value sizes, a conv kernel of 3, half
+# the head dimension rotary, five layers in another pattern; written as two shards with an index.
+OTHER_TEXT: dict = {"hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 5,
+                    "layer_types": ["full_attention", "linear_attention", "linear_attention", "full_attention",
+                                    "linear_attention"],
+                    "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32, "linear_key_head_dim": 8,
+                    "linear_value_head_dim": 12, "linear_num_key_heads": 2, "linear_num_value_heads": 6,
+                    "linear_conv_kernel_dim": 3,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "partial_rotary_factor": 0.5}}
+OTHER_HEAD: dict[str, int] = {**{"hidden_size": 96, "width": 32, "routing_layers": 1, "layers": 1, "heads": 2,
+                                 "feedforward": 64}}
+VARIANTS = {"tiny": (None, None), "other": (OTHER_TEXT, "200KB")}
+
+
+def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int, text: dict | None = None,
+                           max_shard_size: str | None = None) -> None:
     """A tiny ``Qwen3_5ForConditionalGeneration`` (3 linear-attention layers + 1 full-attention
     layer, a one-block vision tower, untied lm_head) stored bf16 as one ``model.safetensors``, with
-    ``config.json``, ``generation_config.json`` and the tokenizer files, seeded."""
+    ``config.json``, ``generation_config.json`` and the tokenizer files, seeded. ``text`` replaces
+    parts of the text configuration; ``max_shard_size`` writes shards and an index."""
     import torch
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
@@ -277,7 +295,7 @@ def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int) 
                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
                      "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
                      "linear_num_value_heads": 4, "max_position_embeddings": 32768, "tie_word_embeddings": False,
-                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]},
+                     "eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"], **(text or {})},
         vision_config={"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                        "out_hidden_size": hidden, "num_position_embeddings": 64},
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
@@ -292,5 +310,5 @@ def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int) 
         for d in OUTLIER_DIMS:
             if d < hidden:
                 norm[d] = norm[d] + OUTLIER_SCALE
-    model.to(torch.bfloat16).save_pretrained(folder)
+    model.to(torch.bfloat16).save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(folder)

@@ -25,12 +25,16 @@ _ERRORS = {cls.__name__: cls for cls in (UsageError, IntegrityError, NumericErro
 
 
 def run_export(source: Path, pins_path: Path, recipe: Recipe, asset_dir: Path,
-               log: Callable[[str], None] = lambda msg: None) -> dict:
-    """Run the worker; returns its timings (``build``, ``export``, ``save`` seconds, ``hidden_size``)."""
-    job = {"source": str(source), "pins": str(pins_path), "recipe": recipe.model_dump(mode="json"),
-           "asset_dir": str(asset_dir)}
+               log: Callable[[str], None] = lambda msg: None, job: dict | None = None) -> dict:
+    """Run the worker; returns its timings (``build``, ``export``, ``save`` seconds, ``hidden_size``).
+    ``job`` replaces the head's job (the backbone's: ``model: backbone``). The converter's temporary
+    resource files go beside the asset (``TMPDIR`` = the staged bundle, on the output's disk, removed
+    with it on every exit path; never a tmpfs, where they would be shared memory)."""
+    job = job or {"source": str(source), "pins": str(pins_path), "recipe": recipe.model_dump(mode="json"),
+                  "asset_dir": str(asset_dir)}
     cmd = [sys.executable, "-m", "clef_flash.worker", json.dumps(job)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = {**os.environ, "TMPDIR": str(Path(asset_dir).parent)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     other: list[str] = []
     try:
         assert proc.stderr is not None
@@ -79,6 +83,15 @@ def _main(job_text: str) -> int:
 
     try:
         job = json.loads(job_text)
+        if job.get("model") == "backbone":
+            from .backbone.export import export_job
+
+            try:
+                result = export_job(job, log)
+            except OSError as exc:
+                raise OutputError(f"{job['asset_dir']}: cannot write the asset ({_root_cause(exc)})") from exc
+            print(json.dumps(result))
+            return 0
         recipe = Recipe.model_validate(job["recipe"])
         pins = load_pins(Path(job["pins"]))
         fmt = backend(recipe.format)

@@ -1,0 +1,215 @@
+"""``build`` of a backbone recipe: plan -> staged bundle -> export worker -> tokenizer -> manifest
+-> build record -> gate -> rename into place.
+
+The plan checks everything cheap first: the pins, every file the build reads against them (the
+config, every shard, the tokenizer files: a file the build would read and the pins do not name is
+refused), the configuration, the tensors' shapes (headers only), the output path and the free
+space for the scratch weights, the converter's temporary files and ``main.mlirb``. The bundle is
+built in a temporary sibling folder, so it lands whole or not at all.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from ..build import BuildConfig, BuildResult, bundle_name
+from ..bundle import atomic_write_bytes, atomic_write_json, check_output_path, output_lock, staged_dir
+from ..digest import sha256_file, tree_bytes, tree_files
+from ..errors import IntegrityError, OutputError
+from ..layout import MANIFEST_FILE, RECORD_FILE
+from ..manifest import Compilation, FileDigest, LocalOrigin
+from ..pinning import BACKBONE_CONFIG, TOKENIZER_FILES
+from ..pins import Pins, load_pins
+from ..provenance import asset_description, build_date, build_record
+from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract, text_config
+from .graph import weight_names
+from .manifest import (HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface,
+                       Language, TensorSpec)
+from .weights import INDEX_FILE, locate, scratch_bytes, shard_files
+
+TOKENIZER_DIR = "tokenizer"
+MARGIN = 64 << 20
+
+
+def read_files(source: Path) -> list[str]:
+    """Every file of the release a backbone build reads: config, index, shards, tokenizer files."""
+    names = [BACKBONE_CONFIG]
+    if (source / INDEX_FILE).is_file():
+        names.append(INDEX_FILE)
+    names += shard_files(source)
+    names += [f for f in TOKENIZER_FILES if (source / f).is_file()]
+    return names
+
+
+def verify_files(source: Path, pins: Pins, pins_path: Path, names: list[str], log=lambda m: None) -> dict[str, str]:
+    """sha256 of each file against its pin; ``IntegrityError`` naming the first that fails."""
+    out = {}
+    for name in names:
+        path = source / name
+        if name not in pins.files:
+            raise IntegrityError(f"{path}: not pinned in {pins_path}; re-pin the release (clef-export pin) so the "
+                                 f"backbone's files are pinned")
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing")
+        if path.stat().st_size > (256 << 20):
+            log(f"hashing {name} ({path.stat().st_size:,} bytes)")
+        actual = sha256_file(path)
+        if actual != pins.files[name]:
+            raise IntegrityError(f"{path}: sha256 mismatch (expected {pins.files[name][:12]}…, got {actual[:12]}…)")
+        out[name] = actual
+    return out
+
+
+def tokenizer_pad(source: Path) -> int | None:
+    """The tokenizer's pad token id, when config.json names none (read from tokenizer.json)."""
+    import json
+
+    try:
+        conf = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+        tok = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    pad = conf.get("pad_token")
+    pad = pad.get("content") if isinstance(pad, dict) else pad
+    for t in tok.get("added_tokens", []):
+        if t.get("content") == pad:
+            return int(t["id"])
+    return None
+
+
+def release_config(source: Path) -> TextConfig:
+    import json
+
+    path = source / BACKBONE_CONFIG
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing; a release folder holds its backbone's config.json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{path}: not JSON ({exc})") from None
+    return text_config(raw, str(path), tokenizer_pad(source))
+
+
+def check_free_space(final: Path, need: int) -> None:
+    probe = next(p for p in [final.parent, *final.parent.parents] if p.exists())
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputError(f"{probe}: not enough free space for the backbone build (the fp16 weights three times: "
+                          f"scratch, the converter's temporary files and main.mlirb; needs about {need:,} bytes, "
+                          f"{free:,} free)")
+
+
+def plan(cfg: BuildConfig, log=lambda m: None) -> dict[str, Any]:
+    from ..source import resolve_source
+
+    recipe = cfg.recipe
+    pins = load_pins(cfg.pins_path)
+    final = Path(cfg.out) / bundle_name(recipe, pins, cfg.name)
+    check_output_path(final, cfg.overwrite)
+    source = resolve_source(cfg.source, pins)
+    if not source.is_dir():
+        raise IntegrityError(f"{source}: source folder not found")
+    names = read_files(source)
+    digests = verify_files(source, pins, cfg.pins_path, names, log)
+    text = release_config(source)
+    chunking = Chunking(recipe.chunk, recipe.context)
+    try:
+        check_contract(text, chunking)
+    except ValueError as exc:
+        raise IntegrityError(f"{source / BACKBONE_CONFIG}: {exc}") from None
+    infos = locate(source, weight_names(text))
+    fp16 = scratch_bytes(infos)
+    check_free_space(final, 3 * fp16 + MARGIN)
+    parameters = sum(int(__import__("math").prod(t.shape)) for t in infos.values())
+    return {"recipe": str(cfg.recipe_path), "name": final.name, "model": "backbone", "bundle": str(final),
+            "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
+            "files": digests, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,
+            "parameters": parameters, "weight_fp16_bytes": fp16, "text_config": text.as_dict()}
+
+
+def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:
+    state = "fp32" if compute == "fp32" else "fp16"
+    shapes = text.state_shapes(chunking.context)
+    return Interface(
+        function=FUNCTION,
+        inputs={"input_ids": TensorSpec(shape=[1, chunking.chunk], dtype="int32"),
+                "position_ids": TensorSpec(shape=[1, "seq"], dtype="int32")},
+        input_order=list(INPUT_ORDER),
+        states={n: TensorSpec(shape=list(shapes[n]), dtype=state) for n in STATE_ORDER},
+        state_order=list(STATE_ORDER),
+        outputs={OUTPUT_NAMES[0]: TensorSpec(shape=[1, chunking.chunk, text.hidden_size], dtype=state)},
+        host_loop=HOST_LOOP,
+    )
+
+
+def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
+    from ..worker import run_export
+    from .gate import BackboneVerifyConfig, tolerances, verify_backbone
+
+    recipe = cfg.recipe
+    t_start = time.perf_counter()
+    info = plan(cfg, log)
+    if cfg.dry_run:
+        return BuildResult(bundle=Path(info["bundle"]), manifest=None, record={}, plan=info)
+    pins = load_pins(cfg.pins_path)
+    source, final = Path(info["source"]), Path(info["bundle"])
+    text = release_config(source)
+    chunking = Chunking(recipe.chunk, recipe.context)
+    with output_lock(final), staged_dir(final, cfg.overwrite) as tmp:
+        asset_dir = tmp / f"{final.name}.aimodel"
+        job = {"model": "backbone", "source": str(source), "asset_dir": str(asset_dir), "text_config": text.as_dict(),
+               "chunk": recipe.chunk, "context": recipe.context, "compute": recipe.compute,
+               "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
+                               f"prefill chunk {recipe.chunk}, compute {recipe.compute}"}}
+        timings = run_export(source, cfg.pins_path, recipe, asset_dir, log, job=job)
+        tok_dir = tmp / TOKENIZER_DIR
+        tok_dir.mkdir()
+        tokenizer = {}
+        for f in TOKENIZER_FILES:
+            if f in info["files"]:
+                data = (source / f).read_bytes()
+                atomic_write_bytes(tok_dir / f, data)
+                digest = sha256_file(tok_dir / f)
+                if digest != info["files"][f]:  # the file changed since it was checked
+                    raise IntegrityError(f"{source / f}: changed while the bundle was built")
+                tokenizer[f] = digest
+        outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir).items()}
+        outputs.update({f"{TOKENIZER_DIR}/{k}": v for k, v in tokenizer.items()})
+        mlirb = asset_dir / "main.mlirb"
+        seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
+        seconds["total"] = round(sum(seconds.values()), 3)
+        fp16 = int(timings["weight_fp16_bytes"])
+        manifest = BackboneManifest(
+            metadata_version=METADATA_VERSION, kind=KIND, name=final.name, assets={"main": asset_dir.name},
+            language=Language(prefill_chunk=recipe.chunk, max_context=recipe.context, vocab_size=text.vocab_size,
+                              hidden_size=text.hidden_size, pad_token_id=text.pad_token_id,
+                              layer_types=list(text.layer_types), text_config=text.as_dict()),
+            interface=interface(text, chunking, recipe.compute),
+            source=BackboneSource(hf_id=pins.hf_id, revision=pins.revision, files=info["files"], synthetic=pins.synthetic,
+                                  origin=LocalOrigin(kind="local", name=pins.release_name, release=pins.release)
+                                  if pins.origin == "local" else None),
+            tokenizer=tokenizer,
+            export=BackboneExport(weights=recipe.weights, compute=recipe.compute, aimodel_bytes=tree_bytes(asset_dir),
+                                  main_mlirb=FileDigest(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
+                                  weight_fp16_bytes=fp16, mlirb_over_weights=round(mlirb.stat().st_size / max(fp16, 1), 6),
+                                  seconds=seconds, tolerances=tolerances(recipe.compute)),
+            compilation=Compilation(date=build_date(), targets=[]),
+        )
+        atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))
+        outputs[MANIFEST_FILE] = sha256_file(tmp / MANIFEST_FILE)
+        record = build_record(recipe, cfg.recipe_path, pins, dict(sorted(outputs.items())), text.hidden_size,
+                              {"model": "backbone", "text_config": text.as_dict(), "seconds": seconds})
+        if cfg.verify and recipe.verify.enabled:
+            log("verifying the saved backbone against transformers' text model")
+            report = verify_backbone(BackboneVerifyConfig(bundle=tmp, source=source, pins_path=cfg.pins_path,
+                                                          seed=recipe.verify.seed, long_record=recipe.long_record,
+                                                          numeric_max_parameters=recipe.verify.numeric_max_parameters),
+                                     log=log)
+            record["verify"] = report.summary()
+            report.raise_for_failures()
+        atomic_write_json(tmp / RECORD_FILE, record)
+        log(f"built in {time.perf_counter() - t_start:.1f} s")
+    return BuildResult(bundle=final, manifest=manifest, record=record, plan=info)

@@ -1,0 +1,182 @@
+"""The backbone's names and shapes: one place, checked before anything is traced.
+
+The interface is the published port's text decoder: one function ``main``; inputs ``input_ids
+[1, S] int32`` and ``position_ids [1, seq] int32`` (seq varies; the chunk's positions are its last S
+entries); states ``keyCache`` / ``valueCache [n_full, 1, n_kv, ctx, head_dim]``, ``convState
+[n_linear, 1, conv_channels, kernel - 1]``, ``recState [n_linear, 1, v_heads, k_dim, v_dim]``,
+updated in place; output ``hidden [1, S, hidden_size]``, the final-norm rows (no lm_head).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import IntegrityError
+
+FUNCTION = "main"
+INPUT_ORDER: tuple[str, ...] = ("input_ids", "position_ids")
+STATE_ORDER: tuple[str, ...] = ("keyCache", "valueCache", "convState", "recState")
+OUTPUT_NAMES: tuple[str, ...] = ("hidden",)
+LINEAR, FULL = "linear_attention", "full_attention"
+# Additive bias of a key slot a query may not see: exp underflows to exactly 0 in fp32 and fp16
+# (after the max is subtracted), and the value stays finite so no row turns NaN.
+MASK_BIAS = -30000.0
+# Attention over more key slots than this runs in key blocks sharing one max (the same softmax):
+# the Apple GPU returned wrong values for one plain softmax over 4,032+ keys (the head does the same).
+KEY_BLOCK = 2048
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    """What the graph needs of a release's ``text_config`` (Qwen3.5)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    conv_kernel: int
+    rms_norm_eps: float
+    pad_token_id: int
+    attn_output_gate: bool = True
+
+    @property
+    def full_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def state_shapes(self, context: int) -> dict[str, tuple[int, ...]]:
+        nf, nl = len(self.full_layers), len(self.linear_layers)
+        return {
+            "keyCache": (nf, 1, self.num_key_value_heads, context, self.head_dim),
+            "valueCache": (nf, 1, self.num_key_value_heads, context, self.head_dim),
+            "convState": (nl, 1, self.conv_channels, self.conv_kernel - 1),
+            "recState": (nl, 1, self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim),
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+def _text(raw: dict[str, Any]) -> dict[str, Any]:
+    return raw.get("text_config", raw) if isinstance(raw, dict) else {}
+
+
+def text_config(raw: dict[str, Any], where: str, tokenizer_pad: int | None = None) -> TextConfig:
+    """A ``TextConfig`` from a release's ``config.json`` (its ``text_config``); a one-line
+    ``IntegrityError`` naming ``where`` when it is not a Qwen3.5 text configuration."""
+    t = _text(raw)
+    try:
+        layer_types = tuple(t["layer_types"])
+        head_dim = int(t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"])
+        rope = t.get("rope_parameters") or {}
+        partial = float(rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 1.0)))
+        theta = float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope['rope_type']!r} (only default RoPE is exported)")
+        pad = t.get("pad_token_id")
+        if pad is None:
+            pad = tokenizer_pad if tokenizer_pad is not None else t.get("eos_token_id")
+        if isinstance(pad, list):
+            pad = pad[0]
+        cfg = TextConfig(
+            vocab_size=int(t["vocab_size"]), hidden_size=int(t["hidden_size"]),
+            intermediate_size=int(t["intermediate_size"]), layer_types=layer_types,
+            num_attention_heads=int(t["num_attention_heads"]), num_key_value_heads=int(t["num_key_value_heads"]),
+            head_dim=head_dim, rotary_dim=int(head_dim * partial), rope_theta=theta,
+            linear_num_key_heads=int(t["linear_num_key_heads"]), linear_num_value_heads=int(t["linear_num_value_heads"]),
+            linear_key_head_dim=int(t["linear_key_head_dim"]), linear_value_head_dim=int(t["linear_value_head_dim"]),
+            conv_kernel=int(t["linear_conv_kernel_dim"]), rms_norm_eps=float(t["rms_norm_eps"]),
+            pad_token_id=int(pad) if pad is not None else -1,
+            attn_output_gate=bool(t.get("attn_output_gate", True)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        what = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+        raise IntegrityError(f"{where}: not a Qwen3.5 text configuration ({what})") from None
+    problems = check_config(cfg)
+    if problems:
+        raise IntegrityError(f"{where}: {problems[0]}")
+    return cfg
+
+
+def check_config(cfg: TextConfig) -> list[str]:
+    """What makes a configuration unexportable, in words (empty when it is fine)."""
+    out = []
+    if not cfg.layer_types or set(cfg.layer_types) - {LINEAR, FULL}:
+        out.append(f"layer_types must be {LINEAR} / {FULL}, got {sorted(set(cfg.layer_types))}")
+    if not cfg.full_layers or not cfg.linear_layers:
+        out.append("layer_types needs at least one linear and one full attention layer")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        out.append("num_attention_heads is not a multiple of num_key_value_heads")
+    if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+        out.append("linear_num_value_heads is not a multiple of linear_num_key_heads")
+    if cfg.rotary_dim % 2 or not 0 < cfg.rotary_dim <= cfg.head_dim:
+        out.append(f"rotary dimension {cfg.rotary_dim} must be even and within head_dim {cfg.head_dim}")
+    if cfg.conv_kernel < 2:
+        out.append("linear_conv_kernel_dim must be >= 2")
+    if not 0 <= cfg.pad_token_id < cfg.vocab_size:
+        out.append(f"no pad token id within the vocabulary (got {cfg.pad_token_id})")
+    if not cfg.attn_output_gate:
+        out.append("attn_output_gate false is not exported (Qwen3.5 gates its attention output)")
+    return out
+
+
+def read_text_config(folder: Path, tokenizer_pad: int | None = None) -> TextConfig:
+    path = Path(folder) / "config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing; a release folder holds its backbone's config.json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{path}: not JSON ({exc})") from None
+    return text_config(raw, str(path), tokenizer_pad)
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """The recipe's prefill chunk S and maximum context (the KV cache's capacity)."""
+
+    chunk: int
+    context: int
+
+
+def check_contract(cfg: TextConfig, ch: Chunking) -> None:
+    """Names, shapes and chunking consistent before tracing; ``ValueError`` naming the break."""
+    if len(set(INPUT_ORDER + STATE_ORDER + OUTPUT_NAMES)) != len(INPUT_ORDER + STATE_ORDER + OUTPUT_NAMES):
+        raise ValueError("contract: input, state and output names collide")
+    if ch.chunk < 2 or ch.context < ch.chunk or ch.context % ch.chunk:
+        raise ValueError(f"contract: context {ch.context} must be a multiple of the chunk {ch.chunk} (>= 2)")
+    problems = check_config(cfg)
+    if problems:
+        raise ValueError(f"contract: {problems[0]}")
+    shapes = cfg.state_shapes(ch.context)
+    if shapes["keyCache"] != shapes["valueCache"] or shapes["keyCache"][3] != ch.context:
+        raise ValueError("contract: key and value caches disagree")
+
+
+def input_shapes(ch: Chunking) -> dict[str, tuple[int, ...]]:
+    """Example shapes: position_ids at its largest (seq = context)."""
+    return {"input_ids": (1, ch.chunk), "position_ids": (1, ch.context)}
+
+
+def chunks_for(tokens: int, chunk: int) -> int:
+    """Calls a record of ``tokens`` tokens takes: ceil(T / S)."""
+    return -(-tokens // chunk)

@@ -1,0 +1,120 @@
+"""Export of ``DecoderChunk``: ``torch.export`` (input_ids, a dynamic-length position_ids, the four
+states as inputs updated in place) -> ``run_decompositions`` (conv1d, index_copy, softplus … are
+not lowered otherwise) -> one coreai-torch converter, the states named -> ``to_coreai`` -> debug
+locations stripped -> a streamed save (``save_streamed``).
+
+Memory: the weights are memory-mapped fp16 (``weights``); neither torch.export nor the converter
+copies them into anonymous memory (the converter writes each large constant to a temporary
+resource file under ``TMPDIR``, file-backed). ``save_asset`` would read the whole written
+``main.mlirb`` back into memory to hash it; ``aimodel.save`` writes the same files and hashes
+``main.mlirb`` in blocks instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, input_shapes
+
+STATE_DTYPES = {"fp32": "fp32", "fp16": "fp16"}  # compute -> the states' storage dtype
+
+
+def example_args(cfg: TextConfig, ch: Chunking, state_dtype):
+    import torch
+
+    shapes = input_shapes(ch)
+    ids = torch.zeros(shapes["input_ids"], dtype=torch.int32)
+    pos = torch.arange(ch.context, dtype=torch.int32)[None]
+    states = tuple(torch.zeros(s, dtype=state_dtype) for s in cfg.state_shapes(ch.context).values())
+    return (ids, pos, *states)
+
+
+def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str], None] = lambda m: None):
+    """The exported, decomposed program of one chunk."""
+    import gc
+
+    import torch
+    from torch.export import Dim
+
+    from ..aimodel import import_toolchain
+    from ..tracing import no_stack_traces
+
+    seq = Dim("seq", min=ch.chunk, max=ch.context)
+    dynamic = {"input_ids": None, "position_ids": {1: seq}, **{n: None for n in STATE_ORDER}}
+    args = example_args(cfg, ch, state_dtype)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(), no_stack_traces():
+        warnings.simplefilter("ignore")
+        ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+        log(f"traced {len(cfg.layer_types)} layers in {time.perf_counter() - t0:.1f} s")
+        t0 = time.perf_counter()
+        ep = ep.run_decompositions(import_toolchain().get_decomp_table())
+    ep.example_inputs = None
+    gc.collect()
+    log(f"decomposed in {time.perf_counter() - t0:.1f} s")
+    return ep
+
+
+def convert(ep, log: Callable[[str], None] = lambda m: None):
+    from coreai_torch import TorchConverter
+    from coreai_torch.debugging.debug_info import strip_debug_info
+
+    from ..aimodel import deterministic_naming
+
+    converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
+    converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
+                                   state_names=list(STATE_ORDER), entrypoint_name=FUNCTION)
+    t0 = time.perf_counter()
+    with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+        program = converter.to_coreai()
+    strip_debug_info(program)  # source locations would embed this machine's paths
+    log(f"converted in {time.perf_counter() - t0:.1f} s")
+    return program
+
+
+def export_job(job: dict, log: Callable[[str], None]) -> dict:
+    """The worker's backbone job: weights mapped, graph traced, converted, saved; returns timings and
+    sizes. Runs in the export worker (its memory goes back to the OS when it ends)."""
+    import torch
+
+    from ..aimodel import import_toolchain, save
+    from ..errors import ToolchainError
+    from .contract import check_contract
+    from .graph import DecoderChunk, weight_names
+    from .weights import load_weights
+
+    import_toolchain()
+    source, asset_dir = Path(job["source"]), Path(job["asset_dir"])
+    cfg = TextConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["text_config"].items()})
+    ch = Chunking(int(job["chunk"]), int(job["context"]))
+    check_contract(cfg, ch)
+    t0 = time.perf_counter()
+    log("mapping the release's weights as fp16")
+    weights = load_weights(source, weight_names(cfg), asset_dir.parent, log)
+    module = DecoderChunk(cfg, ch, weights.tensors(), job["compute"])
+    t_weights = time.perf_counter() - t0
+    state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
+    try:
+        t0 = time.perf_counter()
+        ep = trace(module, cfg, ch, state_dtype, log)
+        t_trace = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        program = convert(ep, log)
+        t_convert = time.perf_counter() - t0
+    except (ValueError, RuntimeError, TypeError) as exc:
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ToolchainError(f"export of the backbone failed: {type(exc).__name__}: {first}") from exc
+    del ep, module
+    t0 = time.perf_counter()
+    log(f"saving {asset_dir.name}")
+    save(program, asset_dir, job["description"], log)
+    t_save = time.perf_counter() - t0
+    fp16_bytes = weights.fp16_bytes
+    weights.close()
+    return {"weights": t_weights, "trace": t_trace, "convert": t_convert, "save": t_save,
+            "weight_fp16_bytes": fp16_bytes}

@@ -1,0 +1,269 @@
+"""The backbone's gate: a finished backbone bundle against the release it was built from.
+
+1. the bundle's files against its manifest (``main.mlirb`` size and sha256, ``main.hash``, every
+   tokenizer file), the release's files against the pins and the manifest's source;
+2. the descriptor as the Core AI runtime reports it: one function ``main``, the inputs, states and
+   output of the manifest's interface, names, shapes and dtypes;
+3. numeric (where the decoder is small enough for the Linux CPU runtime, ``numeric_max_parameters``):
+   seeded token records of lengths 1, S - 1, S, S + 1, three chunks and one near the maximum
+   context, through the saved asset and the host loop (``host.run_record``), against transformers'
+   own text model of the release in fp32, one full forward per record;
+4. red arms on a three-chunk record, which must fail the bar: the state not carried between chunks,
+   every position one token late.
+
+Every failure is collected; then the gate fails (exit 4). Bars are data with their reasons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import IntegrityError, NumericError
+
+# Bars on the hidden rows, relative to the record's largest |value| (Qwen3.5's final-norm rows carry
+# a few outlier dimensions, so a bar relative to each element would be meaningless near zero).
+TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
+    "fp32": {
+        "rel_max_abs_d": (5e-4, "fp32 compute on fp16 weights that hold bf16 values exactly; the Linux runtime's fp32 GEMM "
+                                "is off fp64 by about 3e-5 relative per matmul (measured: a [16,64]x[64,128] linear, 3.3e-5; "
+                                "torch's fp32, 2e-7), compounding over the layers and tokens: measured 2.2e-4 on the tiny release (241 tokens)"),
+        "min_row_cosine": (0.99999, "every row points the same way as the reference's to fp32 accumulation noise"),
+    },
+    "fp16": {
+        "rel_max_abs_d": (1e-2, "fp16 matmuls (11-bit mantissa, 4.9e-4 per rounding) through every layer, norms, softmax and "
+                                "the recurrence in fp32: measured 2.3e-3 on the tiny release; a position one token late "
+                                "moves it by 0.1"),
+        "min_row_cosine": (0.9999, "row direction to fp16 rounding (measured 0.99997 on the tiny release; a position one "
+                                   "token late gives 0.988): what the head reads through its normalised projections"),
+    },
+}
+RED_ARMS = ("state_reset", "positions_late")
+
+
+def tolerances(compute: str) -> dict[str, dict[str, Any]]:
+    return {k: {"bar": v[0], "reason": v[1]} for k, v in TOLERANCES[compute].items()}
+
+
+@dataclass(frozen=True)
+class BackboneVerifyConfig:
+    bundle: Path
+    source: Path | None
+    pins_path: Path
+    seed: int = 0
+    long_record: int | None = None
+    numeric_max_parameters: int = 2_000_000_000
+    red: bool = True
+
+
+@dataclass
+class RecordResult:
+    name: str
+    tokens: int
+    calls: int
+    rel_max_abs_d: float
+    min_row_cosine: float
+    arm: str = "main"
+
+
+@dataclass
+class BackboneReport:
+    bundle: Path
+    compute: str
+    results: list[RecordResult]
+    checks: list[tuple[str, bool, str]]
+    transcript: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[str]:
+        out = [f"{n}: {d}" for n, ok, d in self.checks if not ok]
+        bars = TOLERANCES[self.compute]
+        for r in self.results:
+            inside = r.rel_max_abs_d <= bars["rel_max_abs_d"][0] and r.min_row_cosine >= bars["min_row_cosine"][0]
+            if r.arm == "main" and not inside:
+                out.append(f"record {r.name} ({r.tokens} tokens): rel max |d| {r.rel_max_abs_d:.3g} (bar "
+                           f"{bars['rel_max_abs_d'][0]:g}), min row cosine {r.min_row_cosine:.6f} (bar {bars['min_row_cosine'][0]:g})")
+            if r.arm != "main" and inside:
+                out.append(f"red arm {r.arm} on record {r.name}: rel max |d| {r.rel_max_abs_d:.3g} passes the bar "
+                           f"(the gate cannot see it)")
+        return out
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def summary(self) -> dict[str, Any]:
+        main = [r for r in self.results if r.arm == "main"]
+        return {"ok": self.ok, "compute": self.compute,
+                "records": {r.name: {"tokens": r.tokens, "calls": r.calls, "rel_max_abs_d": r.rel_max_abs_d,
+                                     "min_row_cosine": r.min_row_cosine} for r in main},
+                "red": {r.arm: r.rel_max_abs_d for r in self.results if r.arm != "main"},
+                "bars": {k: v[0] for k, v in TOLERANCES[self.compute].items()},
+                "checks": {n: ok for n, ok, _ in self.checks}, "failures": self.failures, "notes": self.notes}
+
+    def raise_for_failures(self) -> None:
+        if self.failures:
+            raise NumericError(f"{self.bundle}: verification failed: {self.failures[0]}"
+                               + (f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""))
+
+
+def record_lengths(chunk: int, context: int, long_record: int | None) -> dict[str, int]:
+    """1, S - 1, S, S + 1, three chunks, and one near the context (all within the context)."""
+    longest = min(long_record or context - chunk + 1, context)
+    out = {"one": 1, "chunk-1": chunk - 1, "chunk": chunk, "chunk+1": chunk + 1, "three-chunks": 3 * chunk - chunk // 2,
+           "near-context": longest}
+    return {k: v for k, v in out.items() if 1 <= v <= context}
+
+
+def check_files(bundle: Path):
+    """The manifest, its asset and tokenizer files; ``IntegrityError`` naming the first broken file."""
+    from ..layout import MANIFEST_FILE
+    from ..manifest import check_file
+    from .manifest import BackboneManifest
+
+    path = Path(bundle) / MANIFEST_FILE
+    try:
+        m = BackboneManifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing") from None
+    except ValueError as exc:
+        raise IntegrityError(f"{path}: not a backbone manifest ({str(exc).splitlines()[0]})") from None
+    asset = Path(bundle) / m.assets["main"]
+    digest = check_file(asset / "main.mlirb", m.export.main_mlirb)
+    if not (asset / "main.hash").is_file() or (asset / "main.hash").read_bytes().hex() != digest:
+        raise IntegrityError(f"{asset / 'main.hash'}: does not hold the sha256 of main.mlirb")
+    from ..digest import sha256_file
+    from .build import TOKENIZER_DIR
+
+    for name, want in m.tokenizer.items():
+        f = Path(bundle) / TOKENIZER_DIR / name
+        if not f.is_file() or sha256_file(f) != want:
+            raise IntegrityError(f"{f}: missing or its sha256 differs from the manifest's")
+    checks = [("main.mlirb sha256 = manifest", True, digest[:16]), ("main.hash = sha256(main.mlirb)", True, "ok"),
+              ("tokenizer files = manifest", True, f"{len(m.tokenizer)} files")]
+    return m, asset, checks
+
+
+def descriptor_checks(asset: Path, m) -> list[tuple[str, bool, str]]:
+    from .runtime import describe
+
+    d = describe(asset)
+    out = [("functions = [main]", d["functions"] == [m.interface.function], str(d["functions"]))]
+    if "inputs" not in d:
+        return out
+
+    def same(kind: str, got: dict[str, Any], want: dict[str, Any]) -> None:
+        for name, spec in want.items():
+            g = got.get(name)
+            shape = [-1 if isinstance(x, str) else x for x in spec.shape]
+            ok = g is not None and g["shape"] == shape and spec.dtype in g["dtype"].replace("float", "fp").replace("int32", "int32")
+            out.append((f"{kind} {name} {shape} {spec.dtype}", ok, "ok" if ok else f"runtime reports {g}"))
+        extra = sorted(set(got) - set(want))
+        out.append((f"no other {kind}", not extra, "ok" if not extra else ", ".join(extra)))
+
+    same("input", d["inputs"], m.interface.inputs)
+    same("state", d["states"], m.interface.states)
+    same("output", d["outputs"], m.interface.outputs)
+    return out
+
+
+def reference_model(source: Path):
+    """transformers' own text model of the release, fp32, CPU."""
+    import torch
+
+    from ..reference import import_reference
+
+    import_reference()
+    from transformers import Qwen3_5ForConditionalGeneration
+    from transformers.utils import logging as tf_logging
+
+    tf_logging.set_verbosity_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Qwen3_5ForConditionalGeneration.from_pretrained(source, dtype=torch.float32).eval()
+    return model.model.language_model
+
+
+def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
+    rel = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
+    cos = (got * want).sum(-1) / np.maximum(np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1), 1e-30)
+    return rel, float(cos.min())
+
+
+def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> BackboneReport:
+    import torch
+
+    from ..pins import load_pins
+    from ..provenance import tool_versions
+    from ..source import resolve_source
+    from . import host
+    from .build import release_config, verify_files
+    from .runtime import runner
+
+    t_start = time.perf_counter()
+    m, asset, checks = check_files(cfg.bundle)
+    pins = load_pins(cfg.pins_path)
+    source = resolve_source(cfg.source, pins)
+    verify_files(source, pins, cfg.pins_path, sorted(m.source.files))
+    same = m.source.files == {k: pins.files[k] for k in m.source.files} and m.source.hf_id == pins.hf_id
+    checks.append(("manifest source = release files", same, "ok" if same else f"the manifest names {m.source.hf_id}, "
+                   f"the pins {pins.hf_id}, or other file digests"))
+    checks.extend(descriptor_checks(asset, m))
+    text = release_config(source)
+    compute = m.export.compute
+    chunk, context = m.language.prefill_chunk, m.language.max_context
+    from .graph import weight_names
+    params = sum(int(np.prod(s)) for s in weight_names(text).values())
+    notes: list[str] = []
+    results: list[RecordResult] = []
+    if params > cfg.numeric_max_parameters:
+        notes.append(f"numeric check not run: {params:,} parameters exceed the recipe's numeric_max_parameters "
+                     f"({cfg.numeric_max_parameters:,}); fp{'16' if compute == 'fp16' else '32'} compute on the Linux CPU "
+                     f"runtime is too slow at this size")
+    else:
+        lengths = record_lengths(chunk, context, cfg.long_record)
+        rng = np.random.default_rng([cfg.seed, 19])
+        records = {name: rng.integers(0, text.vocab_size, size=n) for name, n in lengths.items()}
+        ref = reference_model(source)
+        state_dtype = "fp32" if compute == "fp32" else "fp16"
+
+        async def run_all():
+            out = []
+            async with runner(asset, text.state_shapes(context), state_dtype) as (call, new_states):
+                for name, ids in records.items():
+                    arms = ["main"] + (list(RED_ARMS) if cfg.red and name == "three-chunks" else [])
+                    for arm in arms:
+                        t0 = time.perf_counter()
+                        got = await host.run_record(call, new_states, ids, chunk, context, text.pad_token_id,
+                                                    None if arm == "main" else arm)
+                        out.append((name, arm, got, time.perf_counter() - t0))
+            return out
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs = asyncio.run(run_all())
+        wants = {}
+        with torch.no_grad():
+            for name, ids in records.items():
+                wants[name] = ref(input_ids=torch.from_numpy(ids[None].astype(np.int64))).last_hidden_state[0].numpy()
+        for name, arm, got, secs in runs:
+            rel, cos = _compare(got, wants[name])
+            results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),
+                                        rel_max_abs_d=rel, min_row_cosine=cos, arm=arm))
+            log(f"{name} ({len(records[name])} tokens){'' if arm == 'main' else ' red ' + arm}: rel max |d| {rel:.2e}, "
+                f"min row cosine {cos:.7f} ({secs:.1f} s)")
+    transcript = {"bundle": str(cfg.bundle), "compute": compute, "source": {"hf_id": pins.hf_id, "revision": pins.revision},
+                  "bars": tolerances(compute), "seed": cfg.seed, "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
+                  "records": [r.__dict__ for r in results], "notes": notes, "versions": tool_versions(),
+                  "seconds": time.perf_counter() - t_start}
+    report = BackboneReport(bundle=Path(cfg.bundle), compute=compute, results=results, checks=checks, transcript=transcript,
+                            notes=notes)
+    transcript["ok"], transcript["failures"] = report.ok, report.failures
+    return report

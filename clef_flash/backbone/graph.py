@@ -1,0 +1,218 @@
+"""``DecoderChunk``: a Qwen3.5 text decoder over one prefill chunk of S tokens, its states explicit.
+
+torch only, no Core AI: the same module is traced for export and run eagerly in tests. It holds
+no ``nn.Parameter``: every weight is a tensor it is handed (``weights.load_weights``), so 2-D
+weights can be memory-mapped fp16 views of a scratch file and nothing is copied to build it.
+
+Compute precision: ``fp32`` reads every fp16 weight through a cast to fp32 and computes in fp32
+(provable on Linux to fp32 rounding); ``fp16`` computes matmuls in fp16 as Mac hosts run it, with
+norms, softmax and the linear-attention recurrence in fp32 (as transformers does for half models).
+
+Per chunk, with ``pos`` the last S entries of ``position_ids``:
+- full attention: RMSNorm'd q / k (1 + w), partial RoPE on the first ``rotary_dim`` dims of each
+  head (for text every M-RoPE axis carries the same position: plain RoPE), k / v written into the
+  caches at ``pos``, attention of each query over the cache slots ``<= its position``, the output
+  gated by ``sigmoid(gate)``;
+- Gated DeltaNet: the conv window is ``convState`` + the chunk (the state keeps the last K - 1
+  inputs), the gated delta rule unrolled token by token in fp32 from ``recState``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .contract import KEY_BLOCK, MASK_BIAS, Chunking, TextConfig
+
+LM = "model.language_model."
+
+
+def weight_names(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads, by its checkpoint name, with its shape."""
+    h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hk, hv = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    out: dict[str, tuple[int, ...]] = {f"{LM}embed_tokens.weight": (cfg.vocab_size, h), f"{LM}norm.weight": (h,)}
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"{LM}layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        out[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        out[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        if kind == "full_attention":
+            a = p + "self_attn."
+            out[a + "q_proj.weight"] = (nh * hd * (2 if cfg.attn_output_gate else 1), h)
+            out[a + "k_proj.weight"] = (nkv * hd, h)
+            out[a + "v_proj.weight"] = (nkv * hd, h)
+            out[a + "o_proj.weight"] = (h, nh * hd)
+            out[a + "q_norm.weight"] = (hd,)
+            out[a + "k_norm.weight"] = (hd,)
+        else:
+            a = p + "linear_attn."
+            out[a + "in_proj_qkv.weight"] = (2 * hk + hv, h)
+            out[a + "in_proj_z.weight"] = (hv, h)
+            out[a + "in_proj_b.weight"] = (cfg.linear_num_value_heads, h)
+            out[a + "in_proj_a.weight"] = (cfg.linear_num_value_heads, h)
+            out[a + "conv1d.weight"] = (cfg.conv_channels, 1, cfg.conv_kernel)
+            out[a + "dt_bias"] = (cfg.linear_num_value_heads,)
+            out[a + "A_log"] = (cfg.linear_num_value_heads,)
+            out[a + "norm.weight"] = (cfg.linear_value_head_dim,)
+            out[a + "out_proj.weight"] = (h, hv)
+    return out
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, block: int) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v in fp32; over more than ``block`` slots, per key block with
+    one shared max (the same softmax, computed blockwise)."""
+    n = k.shape[-2]
+    if n <= block:
+        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+        return torch.matmul(torch.softmax(s, dim=-1), v.float())
+    edges = list(range(0, n, block)) + [n]
+    scores = [torch.matmul(q, k[..., a:b, :].transpose(-1, -2)).float() * scale + bias[..., a:b]
+              for a, b in zip(edges, edges[1:])]
+    m = torch.stack([s.amax(-1, keepdim=True) for s in scores], dim=0).amax(0)
+    num = den = None
+    for (a, b), s in zip(zip(edges, edges[1:]), scores):
+        e = torch.exp(s - m)
+        part_num, part_den = torch.matmul(e, v[..., a:b, :].float()), e.sum(-1, keepdim=True)
+        num = part_num if num is None else num + part_num
+        den = part_den if den is None else den + part_den
+    return num / den
+
+
+class DecoderChunk(torch.nn.Module):
+    def __init__(self, cfg: TextConfig, chunking: Chunking, weights: dict[str, torch.Tensor], compute: str = "fp32",
+                 key_block: int = KEY_BLOCK) -> None:
+        super().__init__()
+        if compute not in ("fp32", "fp16"):
+            raise ValueError(f"compute must be fp32 or fp16, got {compute!r}")
+        self.cfg, self.ch, self.compute, self.key_block = cfg, chunking, compute, key_block
+        self.dtype = torch.float32 if compute == "fp32" else torch.float16
+        missing = [n for n in weight_names(cfg) if n not in weights]
+        if missing:
+            raise ValueError(f"weights lack {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+        # plain attributes, not parameters or buffers: torch.export lifts them as constants, and a
+        # memory-mapped tensor is never copied into the module
+        self.w = weights
+        half = cfg.rotary_dim // 2
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / cfg.rotary_dim))
+        self.slots = torch.arange(chunking.context, dtype=torch.int32)
+
+    def _mat(self, name: str) -> torch.Tensor:
+        """A stored weight as the compute reads it (an fp16 weight through a cast for fp32)."""
+        return self.w[name].to(self.dtype)
+
+    def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.linear(x, self._mat(name))
+
+    def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + w), in fp32."""
+        return (_rms(x, self.cfg.rms_norm_eps) * (1.0 + self.w[name].float())).to(self.dtype)
+
+    def forward(self, input_ids, position_ids, keyCache, valueCache, convState, recState):  # noqa: N803
+        cfg, S = self.cfg, self.ch.chunk
+        pos = position_ids[:, -S:]  # [1, S]
+        x = F.embedding(input_ids.long(), self.w[f"{LM}embed_tokens.weight"]).to(self.dtype)
+        freqs = pos[0].float()[:, None] * self.inv_freq[None, :]  # [S, rot/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        # query i sees key slot j when j <= its position
+        bias = torch.where(self.slots[None, :] <= pos[0][:, None], 0.0, MASK_BIAS)  # [S, ctx]
+        full_idx = {layer: n for n, layer in enumerate(cfg.full_layers)}
+        lin_idx = {layer: n for n, layer in enumerate(cfg.linear_layers)}
+        for i, kind in enumerate(cfg.layer_types):
+            p = f"{LM}layers.{i}."
+            h = self._norm(x, p + "input_layernorm.weight")
+            if kind == "full_attention":
+                h = self._full(h, p + "self_attn.", full_idx[i], pos, cos, sin, bias, keyCache, valueCache)
+            else:
+                h = self._linear(h, p + "linear_attn.", lin_idx[i], convState, recState)
+            x = x + h
+            h = self._norm(x, p + "post_attention_layernorm.weight")
+            m = p + "mlp."
+            x = x + self._lin(F.silu(self._lin(h, m + "gate_proj.weight")) * self._lin(h, m + "up_proj.weight"),
+                              m + "down_proj.weight")
+        return self._norm(x, f"{LM}norm.weight")
+
+    def _full(self, x, a, n, pos, cos, sin, bias, keyCache, valueCache):  # noqa: N803
+        cfg, S = self.cfg, self.ch.chunk
+        nh, nkv, hd, rot = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim
+        qg = self._lin(x, a + "q_proj.weight").view(1, S, nh, 2 * hd)
+        q, gate = qg[..., :hd], qg[..., hd:].reshape(1, S, nh * hd)
+        q = (_rms(q, cfg.rms_norm_eps) * (1.0 + self.w[a + "q_norm.weight"].float())).transpose(1, 2)  # [1,nh,S,hd] fp32
+        k = self._lin(x, a + "k_proj.weight").view(1, S, nkv, hd)
+        k = (_rms(k, cfg.rms_norm_eps) * (1.0 + self.w[a + "k_norm.weight"].float())).transpose(1, 2)
+        v = self._lin(x, a + "v_proj.weight").view(1, S, nkv, hd).transpose(1, 2)
+
+        def rope(t):
+            r = t[..., :rot]
+            return torch.cat((r * cos + _rotate_half(r) * sin, t[..., rot:]), dim=-1)
+
+        q, k = rope(q).to(self.dtype), rope(k).to(keyCache.dtype)
+        idx = pos[0].long()
+        keyCache[n, 0].index_copy_(1, idx, k[0])
+        valueCache[n, 0].index_copy_(1, idx, v[0].to(valueCache.dtype))
+        kc, vc = keyCache[n].to(self.dtype), valueCache[n].to(self.dtype)  # [1, nkv, ctx, hd]
+        rep = nh // nkv
+        if rep > 1:  # grouped-query attention: each kv head serves ``rep`` consecutive query heads
+            ctx = kc.shape[2]
+            kc = kc[:, :, None].expand(1, nkv, rep, ctx, hd).reshape(1, nh, ctx, hd)
+            vc = vc[:, :, None].expand(1, nkv, rep, ctx, hd).reshape(1, nh, ctx, hd)
+        o = _attend(q, kc, vc, bias, 1.0 / math.sqrt(hd), self.key_block)  # [1, nh, S, hd] fp32
+        o = o.transpose(1, 2).reshape(1, S, nh * hd).to(self.dtype)
+        o = o * torch.sigmoid(gate)
+        return self._lin(o, a + "o_proj.weight")
+
+    def _linear(self, x, a, n, convState, recState):  # noqa: N803
+        cfg, S = self.cfg, self.ch.chunk
+        hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+        hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+        K = cfg.conv_kernel
+        qkv = self._lin(x, a + "in_proj_qkv.weight").transpose(1, 2)  # [1, C, S]
+        z = self._lin(x, a + "in_proj_z.weight").view(1, S, hv, dv)
+        b = self._lin(x, a + "in_proj_b.weight").float()
+        g_in = self._lin(x, a + "in_proj_a.weight").float()
+        window = torch.cat((convState[n].to(self.dtype), qkv), dim=-1)  # [1, C, K - 1 + S]
+        convState[n].copy_(window[:, :, S:].to(convState.dtype))
+        conv = F.conv1d(window, self._mat(a + "conv1d.weight"), groups=window.shape[1])  # [1, C, S]
+        mixed = F.silu(conv).transpose(1, 2).float()  # [1, S, C]
+        q = mixed[..., : hk * dk].reshape(1, S, hk, dk)
+        k = mixed[..., hk * dk: 2 * hk * dk].reshape(1, S, hk, dk)
+        v = mixed[..., 2 * hk * dk:].reshape(1, S, hv, dv)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / math.sqrt(dk)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        rep = hv // hk
+        if rep > 1:  # each key head serves ``rep`` consecutive value heads
+            q = q[:, :, :, None].expand(1, S, hk, rep, dk).reshape(1, S, hv, dk)
+            k = k[:, :, :, None].expand(1, S, hk, rep, dk).reshape(1, S, hv, dk)
+        beta = torch.sigmoid(b)  # [1, S, hv]
+        decay = torch.exp(-torch.exp(self.w[a + "A_log"].float()) * F.softplus(g_in + self.w[a + "dt_bias"].float()))
+        state = recState[n].float()  # [1, hv, dk, dv]
+        outs = []
+        for t in range(S):  # the gated delta rule, token by token (the looped form does not lower on Macs)
+            k_t = k[:, t].unsqueeze(-2)  # [1, hv, 1, dk]
+            state = state * decay[:, t, :, None, None]
+            delta = (v[:, t] - torch.matmul(k_t, state).squeeze(-2)) * beta[:, t, :, None]  # [1, hv, dv]
+            state = state + k_t.transpose(-1, -2) * delta.unsqueeze(-2)
+            outs.append(torch.matmul(q[:, t].unsqueeze(-2), state).squeeze(-2))
+        recState[n].copy_(state.to(recState.dtype))
+        o = torch.stack(outs, dim=1)  # [1, S, hv, dv] fp32
+        o = _rms(o, cfg.rms_norm_eps) * self.w[a + "norm.weight"].float() * F.silu(z.float())
+        return self._lin(o.reshape(1, S, hv * dv).to(self.dtype), a + "out_proj.weight")
+
+
+def zero_states(cfg: TextConfig, chunking: Chunking, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    return {k: torch.zeros(v, dtype=dtype) for k, v in cfg.state_shapes(chunking.context).items()}

@@ -1,0 +1,87 @@
+"""``metadata.json`` of a backbone bundle (``kind: decision-backbone``): how a host calls the
+decoder (function, inputs, states, output, the pad rule), the language facts, where the weights
+came from (every checkpoint file's sha256; for a local release what ``CLEF_FINETUNE.json`` says),
+the export's figures and the compute precision. ``manifests/metadata-backbone.schema.json`` is
+generated from these models (``clef-export schema --kind backbone``)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from ..manifest import Compilation, FileDigest, LocalOrigin, Strict
+
+KIND = "decision-backbone"
+METADATA_VERSION = "0.2"
+SCHEMA_FILE = "metadata-backbone.schema.json"
+
+
+class Language(Strict):
+    prefill_chunk: int = Field(ge=1)
+    max_context: int = Field(ge=1)
+    vocab_size: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    pad_token_id: int = Field(ge=0)
+    layer_types: list[Literal["linear_attention", "full_attention"]]
+    text_config: dict[str, Any]
+
+
+class TensorSpec(Strict):
+    shape: list[int | str]
+    dtype: Literal["int32", "fp16", "fp32"]
+
+
+class Interface(Strict):
+    function: str
+    inputs: dict[str, TensorSpec]
+    input_order: list[str]
+    states: dict[str, TensorSpec]
+    state_order: list[str]
+    outputs: dict[str, TensorSpec]
+    host_loop: str
+    vision: None = None  # text only: no image inputs
+
+
+class BackboneSource(Strict):
+    hf_id: str
+    revision: str | None = Field(pattern=r"^[0-9a-f]{40}$")
+    files: dict[str, str]  # every file the build read -> sha256
+    synthetic: bool = False
+    origin: LocalOrigin | None = None
+
+
+class BackboneExport(Strict):
+    weights: Literal["fp16"]
+    compute: Literal["fp16", "fp32"]
+    aimodel_bytes: int = Field(ge=0)
+    main_mlirb: FileDigest
+    weight_fp16_bytes: int = Field(ge=0)
+    mlirb_over_weights: float
+    seconds: dict[str, float]
+    tolerances: dict[str, dict[str, Any]]
+
+
+class BackboneManifest(Strict):
+    metadata_version: str
+    kind: Literal["decision-backbone"]
+    name: str
+    assets: dict[str, str]
+    language: Language
+    interface: Interface
+    source: BackboneSource
+    tokenizer: dict[str, str]  # file in tokenizer/ -> sha256
+    export: BackboneExport
+    compilation: Compilation
+
+
+HOST_LOOP = ("zero states per record; ceil(T / S) calls of main; call c: input_ids = tokens c*S … c*S+S-1 "
+             "(the last chunk padded with pad_token_id), position_ids = the ramp 0 … (c+1)*S-1 (its last S "
+             "entries are the chunk's positions); hidden rows concatenated and cut to T: the head's hidden input")
+
+
+def json_schema() -> dict[str, Any]:
+    schema = BackboneManifest.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"clef-export/{SCHEMA_FILE}"
+    return schema

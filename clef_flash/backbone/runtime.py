@@ -1,0 +1,65 @@
+"""The backbone asset through the Core AI runtime (it runs on Linux CPUs): ``main`` loaded once,
+zero states allocated per record as runtime arrays that the function updates in place."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import IntegrityError
+from .contract import FUNCTION, OUTPUT_NAMES, STATE_ORDER
+
+_NP = {"fp16": np.float16, "fp32": np.float32}
+
+
+@contextlib.asynccontextmanager
+async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dtype: str):
+    """``(call, new_states)``: ``call(inputs, states) -> hidden [S, H]`` fp32."""
+    from coreai.authoring.asset import AIModelAsset
+    from coreai.runtime import NDArray
+
+    async with AIModelAsset.load(Path(asset)).executable() as model:
+        fn = model.load_function(FUNCTION)
+        if fn is None:
+            raise IntegrityError(f"{asset}: function {FUNCTION} not found")
+
+        def new_states() -> dict[str, Any]:
+            return {n: NDArray(np.zeros(state_shapes[n], dtype=_NP[state_dtype])) for n in STATE_ORDER}
+
+        async def call(inputs: dict[str, np.ndarray], states: dict[str, Any]) -> np.ndarray:
+            out = await fn({k: NDArray(np.ascontiguousarray(v)) for k, v in inputs.items()}, states)
+            return np.array(out[OUTPUT_NAMES[0]].numpy(), dtype=np.float32, copy=True)[0]
+
+        yield call, new_states
+
+
+async def _describe(asset: Path) -> dict[str, Any]:
+    from coreai.authoring.asset import AIModelAsset
+
+    async with AIModelAsset.load(Path(asset)).executable() as model:
+        out = {"functions": list(model.function_names)}
+        fn = model.load_function(FUNCTION)
+        if fn is None:
+            return out
+        d = fn.desc
+
+        def spec(desc) -> dict[str, Any]:
+            return {"shape": [int(x) if isinstance(x, int) else str(x) for x in desc.shape], "dtype": str(desc.dtype)}
+
+        out["inputs"] = {n: spec(d.input_descriptor(n)) for n in d.input_names}
+        out["states"] = {n: spec(d.state_descriptor(n)) for n in d.state_names}
+        out["outputs"] = {n: spec(d.output_descriptor(n)) for n in d.output_names}
+        return out
+
+
+def describe(asset: Path) -> dict[str, Any]:
+    """Functions, inputs, states and outputs as the runtime reports them."""
+    import asyncio
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return asyncio.run(_describe(Path(asset)))

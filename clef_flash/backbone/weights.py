@@ -1,0 +1,187 @@
+"""The backbone's weights, never all in memory: each tensor of the release's safetensors is
+located from the shard headers, and every tensor of two or more dimensions is converted to fp16
+in row blocks into one scratch file that is memory-mapped (its pages are page cache the kernel
+can drop, not anonymous memory). 1-D tensors (norm scales, ``A_log``, ``dt_bias``: about 0.5 MB
+for the 9B) are read as fp32 values: the converter folds them into derived constants.
+
+The scratch file is created in the folder the caller names (the staged bundle, on the output's
+disk, never a tmpfs) and unlinked at once: only the open mapping holds it, so no exit path, a
+SIGKILL included, can leave it behind.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import IntegrityError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
+_BLOCK_BYTES = 32 << 20  # rows converted at a time: the anonymous memory this stage needs
+_ALIGN = 64  # each tensor starts at a 64-byte offset in the scratch file
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str  # the shard, relative to the release folder
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute byte offset of the data in the shard
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _ITEMSIZE[self.dtype]
+
+
+def read_header(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            if n > 100 << 20:
+                raise ValueError(f"header of {n} bytes")
+            header = json.loads(fh.read(n))
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing") from None
+    except (OSError, ValueError, struct.error) as exc:
+        raise IntegrityError(f"{path}: not a readable safetensors file ({exc})") from None
+    header.pop("__metadata__", None)
+    return {"header": header, "base": 8 + n}
+
+
+def shard_files(folder: Path) -> list[str]:
+    """The checkpoint's shards: those ``model.safetensors.index.json`` names, else ``model.safetensors``."""
+    folder = Path(folder)
+    if (folder / INDEX_FILE).is_file():
+        try:
+            index = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
+            shards = sorted(set(index["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise IntegrityError(f"{folder / INDEX_FILE}: no readable weight_map ({exc})") from None
+        for s in shards:
+            if not isinstance(s, str) or "/" in s or s.startswith("."):
+                raise IntegrityError(f"{folder / INDEX_FILE}: names {s!r} as a shard")
+        return shards
+    if (folder / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    raise IntegrityError(f"{folder}: no {SINGLE_FILE} nor {INDEX_FILE}; the release has no backbone checkpoint")
+
+
+def locate(folder: Path, wanted: dict[str, tuple[int, ...]]) -> dict[str, TensorInfo]:
+    """Where each wanted tensor lies, its dtype and shape checked against ``wanted``."""
+    folder = Path(folder)
+    found: dict[str, TensorInfo] = {}
+    for shard in shard_files(folder):
+        h = read_header(folder / shard)
+        for name, info in h["header"].items():
+            if name not in wanted:
+                continue
+            if info.get("dtype") not in _ITEMSIZE:
+                raise IntegrityError(f"{folder / shard}: {name} has dtype {info.get('dtype')}; expected BF16, F16 or F32")
+            t = TensorInfo(name, shard, info["dtype"], tuple(info["shape"]), h["base"] + int(info["data_offsets"][0]))
+            if t.shape != tuple(wanted[name]):
+                raise IntegrityError(f"{folder / shard}: {name} has shape {list(t.shape)}, config.json implies {list(wanted[name])}")
+            if int(info["data_offsets"][1]) - int(info["data_offsets"][0]) != t.nbytes:
+                raise IntegrityError(f"{folder / shard}: {name} data span does not match its shape")
+            found[name] = t
+    missing = [n for n in wanted if n not in found]
+    if missing:
+        raise IntegrityError(f"{folder}: the checkpoint lacks {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+    return found
+
+
+def _as_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32)
+
+
+def scratch_bytes(infos: dict[str, TensorInfo]) -> int:
+    """Bytes of the fp16 scratch file for these tensors (2-D and larger ones)."""
+    return sum(-(-int(np.prod(t.shape)) * 2 // _ALIGN) * _ALIGN for t in infos.values() if len(t.shape) >= 2)
+
+
+class Fp16Weights:
+    """The release's tensors as the graph reads them: 2-D+ as fp16 views of the mapped scratch file,
+    1-D as fp32 arrays. ``tensors()`` gives torch tensors sharing that memory."""
+
+    def __init__(self, folder: Path, infos: dict[str, TensorInfo], scratch_dir: Path, log=lambda msg: None) -> None:
+        self.folder = Path(folder)
+        size = max(scratch_bytes(infos), _ALIGN)
+        fd, path = tempfile.mkstemp(prefix=".clef-weights-", suffix=".f16", dir=scratch_dir)
+        try:
+            os.unlink(path)  # only the mapping holds it: nothing is left on any exit
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.arrays: dict[str, np.ndarray] = {}
+        self.fp16_bytes = 0
+        at = 0
+        for name in sorted(infos, key=lambda n: (infos[n].file, infos[n].offset)):  # shard order: sequential reads
+            t = infos[name]
+            if len(t.shape) < 2:
+                self.arrays[name] = self._read_small(t)
+                continue
+            n = int(np.prod(t.shape))
+            dest = np.frombuffer(self._map, dtype=np.float16, count=n, offset=at).reshape(t.shape)
+            self._convert(t, dest)
+            self.arrays[name] = dest
+            self.fp16_bytes += n * 2
+            at += -(-n * 2 // _ALIGN) * _ALIGN
+        log(f"{len(infos)} tensors, {self.fp16_bytes:,} fp16 bytes mapped from the scratch file")
+
+    def _read_small(self, t: TensorInfo) -> np.ndarray:
+        with open(self.folder / t.file, "rb") as fh:
+            fh.seek(t.offset)
+            raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
+        return _as_f32(raw, t.dtype).reshape(t.shape).copy()
+
+    def _convert(self, t: TensorInfo, dest: np.ndarray) -> None:
+        """Row blocks of the shard (memory-mapped) -> fp16 in the scratch file; a value beyond fp16's
+        range is an error naming the tensor, never a silent inf."""
+        item = _ITEMSIZE[t.dtype]
+        rows = t.shape[0]
+        row_elems = int(np.prod(t.shape[1:]))
+        flat = dest.reshape(rows, row_elems)
+        src = np.memmap(self.folder / t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
+        step = max(1, _BLOCK_BYTES // (row_elems * item))
+        try:
+            for r0 in range(0, rows, step):
+                r1 = min(rows, r0 + step)
+                block = _as_f32(np.asarray(src[r0 * row_elems * item: r1 * row_elems * item]), t.dtype)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    half = block.astype(np.float16)
+                if not np.isfinite(half).all() and np.isfinite(block).all():
+                    raise IntegrityError(f"{self.folder / t.file}: {t.name} has values beyond fp16's range (|x| > 65504)")
+                flat[r0:r1] = half.reshape(r1 - r0, row_elems)
+        finally:
+            del src
+
+    def tensors(self):
+        import torch
+
+        out = {}
+        for name, arr in self.arrays.items():
+            out[name] = torch.from_numpy(arr)  # shares the mapping (writable: no copy, no warning)
+        return out
+
+    def close(self) -> None:
+        self.arrays.clear()
+        try:
+            self._map.close()
+        except BufferError:  # views still alive elsewhere: the mapping goes with the process
+            pass
+
+
+def load_weights(folder: Path, wanted: dict[str, tuple[int, ...]], scratch_dir: Path, log=lambda msg: None) -> Fp16Weights:
+    return Fp16Weights(folder, locate(folder, wanted), scratch_dir, log)

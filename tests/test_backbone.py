@@ -1,0 +1,273 @@
+"""The backbone: a release's Qwen3.5 text decoder as one chunked function with Core AI states.
+
+Tiny releases in clef-finetune's layout (make-tiny's configuration, and another: other widths,
+layer pattern, conv kernel, sharded with an index) go pin -> build (both compute precisions) ->
+verify. The gate's red arms (state not carried, positions one token late) must fail; a tampered
+asset, shard or unpinned file must be refused with the file named."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from clef_flash.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def _release(root: Path, author_code: Path, variant: str, seed: int, name: str) -> Path:
+    from clef_flash.pinning import pin_local
+    from clef_flash.synth import MAKE_TINY_HEAD, OTHER_HEAD, write_release
+
+    rel = write_release(root / name, config_name=MAKE_TINY_HEAD if variant == "tiny" else OTHER_HEAD, seed=seed,
+                        author_code=author_code, backbone="qwen3_5", variant=variant)
+    pin_local(rel, name=name)
+    return rel
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory, author_code) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("backbone-releases")
+    return {"tiny": _release(root, author_code, "tiny", 0, "tiny_release"),
+            "other": _release(root, author_code, "other", 1, "other_release")}
+
+
+def _recipe(tmp: Path, compute: str, chunk: int = 16, context: int = 128) -> Path:
+    p = tmp / f"backbone_{compute}_{chunk}_{context}.toml"
+    p.write_text(f'model = "backbone"\nname = "{{release}}_decode_{compute}_pf{chunk}"\nchunk = {chunk}\n'
+                 f'context = {context}\ncompute = "{compute}"\n')
+    return p
+
+
+@pytest.fixture(scope="module")
+def built(releases, tmp_path_factory) -> dict[str, Path]:
+    """fp32 compute on both releases, fp16 compute on the sharded one (the gate runs in each build)."""
+    tmp = tmp_path_factory.mktemp("backbone-builds")
+    out = {}
+    for key, rel, compute in (("tiny32", "tiny", "fp32"), ("other32", "other", "fp32"), ("other16", "other", "fp16")):
+        res = runner.invoke(app, ["build", str(_recipe(tmp, compute)), "--source", str(releases[rel]),
+                                  "--out", str(tmp / key), "--json"])
+        assert res.exit_code == 0, res.output
+        out[key] = tmp / key / json.loads(res.stdout)["name"]
+    return out
+
+
+# ---------------------------------------------------------------- graph and host, no Core AI
+
+
+def _reference_rows(release: Path, ids: np.ndarray) -> np.ndarray:
+    import torch
+
+    from clef_flash.backbone.gate import reference_model
+
+    with torch.no_grad():
+        return reference_model(release)(input_ids=torch.from_numpy(ids[None])).last_hidden_state[0].numpy()
+
+
+@pytest.mark.parametrize("variant", ["tiny", "other"])
+def test_eager_chunks_match_transformers_full_forward(releases, tmp_path, variant):
+    """DecoderChunk run chunk by chunk (states carried, last chunk padded) = one full forward."""
+    import asyncio
+
+    import torch
+
+    from clef_flash.backbone import host
+    from clef_flash.backbone.build import release_config
+    from clef_flash.backbone.contract import Chunking
+    from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
+    from clef_flash.backbone.weights import load_weights
+
+    rel = releases[variant]
+    cfg = release_config(rel)
+    ch = Chunking(8, 64)
+    w = load_weights(rel, weight_names(cfg), tmp_path)
+    assert not list(tmp_path.iterdir()), "the scratch file is unlinked at once"
+    m = DecoderChunk(cfg, ch, w.tensors(), "fp32")
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, size=29)
+
+    async def call(inputs, states):
+        with torch.no_grad():
+            return m(*(torch.from_numpy(inputs[k]) for k in ("input_ids", "position_ids")), **states)[0].numpy()
+
+    got = asyncio.run(host.run_record(call, lambda: zero_states(cfg, ch), ids, 8, 64, cfg.pad_token_id))
+    want = _reference_rows(rel, ids)
+    assert got.shape == want.shape == (29, cfg.hidden_size)
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    late = asyncio.run(host.run_record(call, lambda: zero_states(cfg, ch), ids, 8, 64, cfg.pad_token_id, "positions_late"))
+    assert np.abs(late - want).max() / np.abs(want).max() > 1e-2
+
+
+def test_host_chunks_pad_and_ramp():
+    from clef_flash.backbone.host import chunk_inputs
+
+    calls = chunk_inputs(np.arange(10), chunk=4, context=16, pad_id=99)
+    assert len(calls) == 3
+    assert calls[2]["input_ids"].tolist() == [[8, 9, 99, 99]]
+    assert calls[2]["position_ids"].tolist() == [list(range(12))]
+    assert all(c["input_ids"].dtype == np.int32 and c["position_ids"].dtype == np.int32 for c in calls)
+    with pytest.raises(ValueError, match="more than the context"):
+        chunk_inputs(np.arange(17), chunk=4, context=16, pad_id=0)
+
+
+def test_text_config_errors_name_the_file(releases, tmp_path):
+    from clef_flash.backbone.contract import read_text_config
+    from clef_flash.errors import IntegrityError
+
+    raw = json.loads((releases["tiny"] / "config.json").read_text())
+    cfg = read_text_config(releases["tiny"])
+    assert cfg.layer_types.count("full_attention") == 1 and cfg.rotary_dim == 4 and cfg.pad_token_id == 256
+    other = read_text_config(releases["other"])
+    assert other.layer_types[0] == "full_attention" and other.conv_kernel == 3 and other.rotary_dim == 16
+    for change, words in ((lambda t: t.pop("layer_types"), "missing 'layer_types'"),
+                          (lambda t: t.update(layer_types=["sliding"] * 4), "layer_types must be"),
+                          (lambda t: t.update(num_key_value_heads=3), "multiple of num_key_value_heads")):
+        bad = json.loads(json.dumps(raw))
+        change(bad["text_config"])
+        (tmp_path / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(IntegrityError, match=words) as exc:
+            read_text_config(tmp_path)
+        assert str(tmp_path / "config.json") in str(exc.value)
+
+
+def test_recipe_checks_whole_chunks(tmp_path):
+    from clef_flash.errors import UsageError
+    from clef_flash.recipe import BackboneRecipe, load_recipe
+
+    r = load_recipe(ROOT / "conversion" / "backbone_pf64_fp16.toml")
+    assert isinstance(r, BackboneRecipe) and (r.chunk, r.context, r.compute) == (64, 4096, "fp16")
+    assert load_recipe(ROOT / "conversion" / "backbone_pf64_fp16w32.toml").compute == "fp32"
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "backbone"\nname = "x"\nchunk = 64\ncontext = 100\n')
+    with pytest.raises(UsageError, match="multiple of the chunk"):
+        load_recipe(bad)
+
+
+def test_backbone_schema_is_in_sync():
+    from clef_flash.backbone.manifest import json_schema
+
+    checked_in = json.loads((ROOT / "manifests" / "metadata-backbone.schema.json").read_text())
+    assert checked_in == json_schema(), "run `clef-export schema --kind backbone > manifests/metadata-backbone.schema.json`"
+
+
+def test_streamed_save_writes_what_save_asset_writes(tmp_path):
+    """aimodel.save_streamed (private coreai API) = save_asset, file for file, creation date aside."""
+    import torch
+    from coreai.runtime import AIModelAssetMetadata
+
+    from coreai_torch import TorchConverter, get_decomp_table
+
+    from clef_flash.aimodel import save_streamed
+
+    lin = torch.nn.Linear(300, 600, bias=False).half()
+    ep = torch.export.export(lambda_module(lin), (torch.zeros(2, 300),), strict=False).run_decompositions(get_decomp_table())
+    converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
+    converter.add_exported_program(ep, input_names=["x"], output_names=["y"], entrypoint_name="main")
+    program = converter.to_coreai()
+    a, b = tmp_path / "a.aimodel", tmp_path / "b.aimodel"
+    program.save_asset(a, metadata=AIModelAssetMetadata())
+    save_streamed(program, b, AIModelAssetMetadata())
+    assert (a / "main.mlirb").read_bytes() == (b / "main.mlirb").read_bytes()
+    assert (a / "main.hash").read_bytes() == (b / "main.hash").read_bytes()
+    meta_a, meta_b = (json.loads((p / "metadata.json").read_text()) for p in (a, b))
+    meta_a.pop("creationDate", None), meta_b.pop("creationDate", None)
+    assert {k for k in meta_a if "date" not in k.lower()} == {k for k in meta_b if "date" not in k.lower()}
+
+
+def lambda_module(lin):
+    import torch
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.lin.weight.float())
+
+    return M()
+
+
+# ---------------------------------------------------------------- built bundles (the gate ran in build)
+
+
+def test_builds_land_with_manifest_states_and_tokenizer(built, releases):
+    from clef_flash.backbone.manifest import BackboneManifest
+
+    for key, bundle in built.items():
+        m = BackboneManifest.model_validate_json((bundle / "metadata.json").read_bytes())
+        rec = json.loads((bundle / "build-record.json").read_text())
+        assert m.kind == "decision-backbone" and m.interface.function == "main" and m.interface.vision is None
+        assert m.interface.state_order == ["keyCache", "valueCache", "convState", "recState"]
+        assert rec["verify"]["ok"] and set(rec["verify"]["red"]) == {"state_reset", "positions_late"}
+        assert len(rec["verify"]["records"]) == 6
+        rel = releases["tiny" if key.startswith("tiny") else "other"]
+        for f, digest in m.tokenizer.items():
+            assert (bundle / "tokenizer" / f).read_bytes() == (rel / f).read_bytes()
+        pins = json.loads((rel / "pins.json").read_text())["files"]
+        assert m.source.files == {k: pins[k] for k in m.source.files} and "config.json" in m.source.files
+    other = BackboneManifest.model_validate_json((built["other16"] / "metadata.json").read_bytes())
+    assert other.interface.states["convState"].shape == [3, 1, 2 * 2 * 8 + 6 * 12, 2]
+    assert other.interface.states["keyCache"].shape == [2, 1, 2, 128, 32] and other.export.compute == "fp16"
+    assert len([f for f in other.source.files if f.startswith("model-")]) >= 2  # every shard pinned and read
+
+
+def test_verify_passes_and_reports_red_arms(built, releases, tmp_path):
+    res = runner.invoke(app, ["verify", str(built["tiny32"]), "--source", str(releases["tiny"]),
+                              "--transcript", str(tmp_path / "t.json")])
+    assert res.exit_code == 0, res.output
+    t = json.loads((tmp_path / "t.json").read_text())
+    main = [r for r in t["records"] if r["arm"] == "main"]
+    assert {r["tokens"] for r in main} == {1, 15, 16, 17, 40, 113}
+    assert all(r["rel_max_abs_d"] <= t["bars"]["rel_max_abs_d"]["bar"] for r in main)
+    red = {r["arm"]: r["rel_max_abs_d"] for r in t["records"] if r["arm"] != "main"}
+    assert min(red.values()) > 100 * t["bars"]["rel_max_abs_d"]["bar"]
+
+
+def test_gate_fails_when_the_bar_cannot_see_a_red_arm(built, releases, monkeypatch):
+    """A gate too loose to see a state reset must itself fail (exit 4), not pass."""
+    from clef_flash.backbone import gate
+
+    monkeypatch.setitem(gate.TOLERANCES, "fp32", {"rel_max_abs_d": (10.0, "too loose"), "min_row_cosine": (-1.0, "too loose")})
+    res = runner.invoke(app, ["verify", str(built["tiny32"]), "--source", str(releases["tiny"])])
+    assert res.exit_code == 4, res.output
+    assert "red arm state_reset" in res.output
+
+
+def test_tampered_asset_is_refused(built, releases, tmp_path):
+    import shutil
+
+    copy = tmp_path / built["tiny32"].name
+    shutil.copytree(built["tiny32"], copy)
+    mlirb = next(copy.glob("*.aimodel")) / "main.mlirb"
+    data = bytearray(mlirb.read_bytes())
+    data[-100] ^= 1
+    mlirb.write_bytes(bytes(data))
+    res = runner.invoke(app, ["verify", str(copy), "--source", str(releases["tiny"])])
+    assert res.exit_code == 3 and "main.mlirb" in res.output
+
+
+def test_tampered_shard_and_unpinned_file_are_named(releases, tmp_path):
+    import shutil
+
+    rel = tmp_path / "rel"
+    shutil.copytree(releases["other"], rel)
+    shard = sorted(rel.glob("model-*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 1
+    shard.write_bytes(bytes(data))
+    recipe = _recipe(tmp_path, "fp32")
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(rel), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 3 and shard.name in res.output and "sha256 mismatch" in res.output
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    shutil.copy2(releases["other"] / shard.name, shard)  # the shard restored; now a file the pins do not name
+    pins = json.loads((rel / "pins.json").read_text())
+    del pins["files"]["tokenizer.json"]
+    (rel / "pins.json").write_text(json.dumps(pins))
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(rel), "--out", str(tmp_path / "out"), "--dry-run"])
+    assert res.exit_code == 3 and "tokenizer.json: not pinned" in res.output
