@@ -9,7 +9,7 @@ RECIPE := conversion/head_bucket_fp16w32.toml
 # what a release ships: the Core AI asset and the Core ML package for macOS 15 / 26
 RELEASE_RECIPES := $(RECIPE) conversion/head_bucket_fp16w32_mlpackage.toml
 BUNDLE := build/clef_flash_head_bucket_fp16w32
-SOURCES := $(wildcard clef_flash/*.py) $(RECIPE)
+SOURCES := $(wildcard clef_flash/*.py clef_flash/backbone/*.py) $(RECIPE)
 # REAL=1: the pinned Cloudflare/clef-flash files from the HF cache (run `make fetch` first, online).
 ifeq ($(REAL),1)
 SRC_DEPS :=
@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench artifact fetch check clean
+.PHONY: setup build test test-fast verify bench artifact fetch check backbone clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -62,8 +62,18 @@ $(TINY_REL)/pins.json: $(AUTHOR) clef_flash/synth.py | $(STAMP)
 $(TINY_BUNDLE)/metadata.json: $(TINY_REL)/pins.json $(SOURCES)
 	$(BIN)/clef-export build $(RECIPE) --source $(TINY_REL) --out $(TINY_OUT) --overwrite
 
-check: setup $(TINY_BUNDLE)/metadata.json
+# the tiny release's backbone, both recipes (fp16 compute as Macs run it; fp32 compute, provable here),
+# each gated against transformers' own text model chunk by chunk
+BACKBONE_RECIPES := conversion/backbone_pf64_fp16w32.toml conversion/backbone_pf64_fp16.toml
+TINY_BACKBONES := $(TINY_OUT)/tiny_release_decode_fp16w32_pf64/metadata.json $(TINY_OUT)/tiny_release_decode_fp16_pf64/metadata.json
+$(TINY_OUT)/tiny_release_decode_%_pf64/metadata.json: $(TINY_REL)/pins.json $(SOURCES) conversion/backbone_pf64_%.toml
+	$(BIN)/clef-export build conversion/backbone_pf64_$*.toml --source $(TINY_REL) --out $(TINY_OUT) --overwrite
+
+backbone: setup $(TINY_BACKBONES)
+
+check: setup $(TINY_BUNDLE)/metadata.json $(TINY_BACKBONES)
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --transcript $(TINY_OUT)/check-release.json
+	$(BIN)/clef-export verify $(TINY_OUT)/tiny_release_decode_fp16w32_pf64 --source $(TINY_REL)
 
 # build -> verify -> AOT where xcrun coreai-build exists -> dist/ with SHA256SUMS
 artifact: setup $(SRC_DEPS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,12 +29,21 @@ def run_export(source: Path, pins_path: Path, recipe: Recipe, asset_dir: Path,
                log: Callable[[str], None] = lambda msg: None, job: dict | None = None) -> dict:
     """Run the worker; returns its timings (``build``, ``export``, ``save`` seconds, ``hidden_size``).
     ``job`` replaces the head's job (the backbone's: ``model: backbone``). The converter's temporary
-    resource files go beside the asset (``TMPDIR`` = the staged bundle, on the output's disk, removed
-    with it on every exit path; never a tmpfs, where they would be shared memory)."""
+    resource files go beside the asset (``TMPDIR`` = a folder in the staged bundle, on the output's
+    disk, removed when the worker ends and with the staged bundle on every exit path; never a tmpfs,
+    where they would be shared memory)."""
     job = job or {"source": str(source), "pins": str(pins_path), "recipe": recipe.model_dump(mode="json"),
                   "asset_dir": str(asset_dir)}
     cmd = [sys.executable, "-m", "clef_flash.worker", json.dumps(job)]
-    env = {**os.environ, "TMPDIR": str(Path(asset_dir).parent)}
+    scratch = Path(asset_dir).parent / ".work"
+    scratch.mkdir(exist_ok=True)
+    try:
+        return _run_worker(cmd, {**os.environ, "TMPDIR": str(scratch)}, asset_dir, log)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_worker(cmd: list[str], env: dict[str, str], asset_dir: Path, log: Callable[[str], None]) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     other: list[str] = []
     try:

@@ -7,7 +7,6 @@ asset, shard or unpinned file must be refused with the file named."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -78,7 +77,7 @@ def test_eager_chunks_match_transformers_full_forward(releases, tmp_path, varian
     import torch
 
     from clef_flash.backbone import host
-    from clef_flash.backbone.build import release_config
+    from clef_flash.backbone.release import release_config
     from clef_flash.backbone.contract import Chunking
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
     from clef_flash.backbone.weights import load_weights

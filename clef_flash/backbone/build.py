@@ -22,75 +22,16 @@ from ..errors import IntegrityError, OutputError
 from ..layout import MANIFEST_FILE, RECORD_FILE
 from ..manifest import Compilation, FileDigest, LocalOrigin
 from ..pinning import BACKBONE_CONFIG, TOKENIZER_FILES
-from ..pins import Pins, load_pins
+from ..pins import load_pins
 from ..provenance import asset_description, build_date, build_record
-from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract, text_config
+from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract
 from .graph import weight_names
 from .manifest import (HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface,
                        Language, TensorSpec)
-from .weights import INDEX_FILE, locate, scratch_bytes, shard_files
+from .release import TOKENIZER_DIR, read_files, release_config, verify_files
+from .weights import locate, scratch_bytes
 
-TOKENIZER_DIR = "tokenizer"
 MARGIN = 64 << 20
-
-
-def read_files(source: Path) -> list[str]:
-    """Every file of the release a backbone build reads: config, index, shards, tokenizer files."""
-    names = [BACKBONE_CONFIG]
-    if (source / INDEX_FILE).is_file():
-        names.append(INDEX_FILE)
-    names += shard_files(source)
-    names += [f for f in TOKENIZER_FILES if (source / f).is_file()]
-    return names
-
-
-def verify_files(source: Path, pins: Pins, pins_path: Path, names: list[str], log=lambda m: None) -> dict[str, str]:
-    """sha256 of each file against its pin; ``IntegrityError`` naming the first that fails."""
-    out = {}
-    for name in names:
-        path = source / name
-        if name not in pins.files:
-            raise IntegrityError(f"{path}: not pinned in {pins_path}; re-pin the release (clef-export pin) so the "
-                                 f"backbone's files are pinned")
-        if not path.is_file():
-            raise IntegrityError(f"{path}: missing")
-        if path.stat().st_size > (256 << 20):
-            log(f"hashing {name} ({path.stat().st_size:,} bytes)")
-        actual = sha256_file(path)
-        if actual != pins.files[name]:
-            raise IntegrityError(f"{path}: sha256 mismatch (expected {pins.files[name][:12]}…, got {actual[:12]}…)")
-        out[name] = actual
-    return out
-
-
-def tokenizer_pad(source: Path) -> int | None:
-    """The tokenizer's pad token id, when config.json names none (read from tokenizer.json)."""
-    import json
-
-    try:
-        conf = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
-        tok = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    pad = conf.get("pad_token")
-    pad = pad.get("content") if isinstance(pad, dict) else pad
-    for t in tok.get("added_tokens", []):
-        if t.get("content") == pad:
-            return int(t["id"])
-    return None
-
-
-def release_config(source: Path) -> TextConfig:
-    import json
-
-    path = source / BACKBONE_CONFIG
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: missing; a release folder holds its backbone's config.json") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{path}: not JSON ({exc})") from None
-    return text_config(raw, str(path), tokenizer_pad(source))
 
 
 def check_free_space(final: Path, need: int) -> None:

@@ -140,7 +140,7 @@ def check_files(bundle: Path):
     if not (asset / "main.hash").is_file() or (asset / "main.hash").read_bytes().hex() != digest:
         raise IntegrityError(f"{asset / 'main.hash'}: does not hold the sha256 of main.mlirb")
     from ..digest import sha256_file
-    from .build import TOKENIZER_DIR
+    from .release import TOKENIZER_DIR
 
     for name, want in m.tokenizer.items():
         f = Path(bundle) / TOKENIZER_DIR / name
@@ -204,7 +204,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     from ..provenance import tool_versions
     from ..source import resolve_source
     from . import host
-    from .build import release_config, verify_files
+    from .release import release_config, verify_files
     from .runtime import runner
 
     t_start = time.perf_counter()

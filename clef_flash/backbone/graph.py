@@ -180,7 +180,6 @@ class DecoderChunk(torch.nn.Module):
         cfg, S = self.cfg, self.ch.chunk
         hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-        K = cfg.conv_kernel
         qkv = self._lin(x, a + "in_proj_qkv.weight").transpose(1, 2)  # [1, C, S]
         z = self._lin(x, a + "in_proj_z.weight").view(1, S, hv, dv)
         b = self._lin(x, a + "in_proj_b.weight").float()

@@ -1,0 +1,74 @@
+"""A release folder's backbone files: which a build reads (config, index, every shard, the
+tokenizer files), each checked against the pins, and the text configuration they describe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..digest import sha256_file
+from ..errors import IntegrityError
+from ..pinning import BACKBONE_CONFIG, TOKENIZER_FILES
+from ..pins import Pins
+from .contract import TextConfig, text_config
+from .weights import INDEX_FILE, shard_files
+
+TOKENIZER_DIR = "tokenizer"
+
+
+def read_files(source: Path) -> list[str]:
+    """Every file of the release a backbone build reads: config, index, shards, tokenizer files."""
+    names = [BACKBONE_CONFIG]
+    if (source / INDEX_FILE).is_file():
+        names.append(INDEX_FILE)
+    names += shard_files(source)
+    names += [f for f in TOKENIZER_FILES if (source / f).is_file()]
+    return names
+
+
+def verify_files(source: Path, pins: Pins, pins_path: Path, names: list[str], log=lambda m: None) -> dict[str, str]:
+    """sha256 of each file against its pin; ``IntegrityError`` naming the first that fails."""
+    out = {}
+    for name in names:
+        path = source / name
+        if name not in pins.files:
+            raise IntegrityError(f"{path}: not pinned in {pins_path}; re-pin the release (clef-export pin) so the "
+                                 f"backbone's files are pinned")
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing")
+        if path.stat().st_size > (256 << 20):
+            log(f"hashing {name} ({path.stat().st_size:,} bytes)")
+        actual = sha256_file(path)
+        if actual != pins.files[name]:
+            raise IntegrityError(f"{path}: sha256 mismatch (expected {pins.files[name][:12]}…, got {actual[:12]}…)")
+        out[name] = actual
+    return out
+
+
+def tokenizer_pad(source: Path) -> int | None:
+    """The tokenizer's pad token id, when config.json names none (read from tokenizer.json)."""
+    import json
+
+    try:
+        conf = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
+        tok = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    pad = conf.get("pad_token")
+    pad = pad.get("content") if isinstance(pad, dict) else pad
+    for t in tok.get("added_tokens", []):
+        if t.get("content") == pad:
+            return int(t["id"])
+    return None
+
+
+def release_config(source: Path) -> TextConfig:
+    import json
+
+    path = source / BACKBONE_CONFIG
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing; a release folder holds its backbone's config.json") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{path}: not JSON ({exc})") from None
+    return text_config(raw, str(path), tokenizer_pad(source))
