@@ -98,8 +98,7 @@ class BackboneRecipe(BaseModel):
     chunk: int = Field(default=64, ge=2, le=4096)
     context: int = Field(default=4096, ge=2)
     weights: Literal["fp16"] = "fp16"
-    compute: Literal["fp16", "fp32"] = "fp16"
-    format: Literal["aimodel"] = "aimodel"
+    compute: Literal["fp16", "fp32"] = "fp16"  # the asset is always a Core AI one
     verify: BackboneVerifyPlan = BackboneVerifyPlan()
 
     _plain_name = field_validator("name")(Recipe._plain_name.__func__)  # type: ignore[attr-defined]
