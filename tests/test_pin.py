@@ -33,9 +33,9 @@ def test_pin_a_hub_commit_from_its_metadata(tmp_path, hub, tiny_source):
                    tmp_path / "hf")
     assert r.returncode == 0, r.stderr[-1500:]
     got = json.loads(out.read_text())
-    # the head's three files, the index and the shard holding lm_head.weight; not the other shard
+    # the head's three files, the index and every shard it names (the backbone's build reads them all)
     names = ["joint_head.safetensors", "joint_head_config.json", "joint_schema_model.py",
-             "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+             "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
     assert sorted(got["files"]) == names and all(got["files"][n] == want["files"][n] for n in names)
     assert got["origin"] == "hub" and got["revision"] == want["revision"]
     gets = sorted(p.rsplit("/", 1)[1] for m, p in hub.requests if m == "GET")
