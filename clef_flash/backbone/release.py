@@ -9,7 +9,7 @@ from ..digest import sha256_file
 from ..errors import IntegrityError
 from ..pinning import BACKBONE_CONFIG, TOKENIZER_FILES
 from ..pins import Pins
-from .contract import TextConfig, text_config
+from .contract import TextConfig, read_text_config
 from .weights import INDEX_FILE, shard_files
 
 TOKENIZER_DIR = "tokenizer"
@@ -62,13 +62,5 @@ def tokenizer_pad(source: Path) -> int | None:
 
 
 def release_config(source: Path) -> TextConfig:
-    import json
-
-    path = source / BACKBONE_CONFIG
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: missing; a release folder holds its backbone's config.json") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{path}: not JSON ({exc})") from None
-    return text_config(raw, str(path), tokenizer_pad(source))
+    """The release's text configuration, its pad token from the tokenizer when config.json names none."""
+    return read_text_config(source, tokenizer_pad(source))
