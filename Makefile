@@ -71,9 +71,19 @@ $(TINY_OUT)/tiny_release_decode_%_pf64/metadata.json: $(TINY_REL)/pins.json $(SO
 
 backbone: setup $(TINY_BACKBONES)
 
+# the whole model on the tiny release: the head alone, then tokenizer -> backbone asset -> head asset
+# (fp32 compute on every request; fp16 compute, slow on the Linux CPU runtime, on the first four),
+# the red arm that must fail (exit 4), the backbone's gate, and the whole Mac release in one dist/
+TINY_B32 := $(TINY_OUT)/tiny_release_decode_fp16w32_pf64
+TINY_B16 := $(TINY_OUT)/tiny_release_decode_fp16_pf64
 check: setup $(TINY_BUNDLE)/metadata.json $(TINY_BACKBONES)
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --transcript $(TINY_OUT)/check-release.json
-	$(BIN)/clef-export verify $(TINY_OUT)/tiny_release_decode_fp16w32_pf64 --source $(TINY_REL)
+	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B32) --transcript $(TINY_OUT)/check-release-fp16w32.json
+	head -n 4 conversion/requests.jsonl > $(TINY_OUT)/requests-4.jsonl
+	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B16) --requests $(TINY_OUT)/requests-4.jsonl --transcript $(TINY_OUT)/check-release-fp16.json
+	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B32) --red state > /dev/null 2>&1; test $$? -eq 4
+	$(BIN)/clef-export verify $(TINY_B32) --source $(TINY_REL)
+	$(BIN)/clef-export release $(RECIPE) conversion/backbone_pf64_fp16w32.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist --overwrite
 
 # build -> verify -> AOT where xcrun coreai-build exists -> dist/ with SHA256SUMS
 artifact: setup $(SRC_DEPS)

@@ -469,7 +469,13 @@ def _print_check(report) -> None:
         "0 disagreements", s["disagreements"] == 0)
     row("disagreements", str(s["disagreements"]), "0", s["disagreements"] == 0)
     row("argmax equal", f"{s['argmax_equal']}/{s['questions']}", "near-ties aside", True)
-    row("max |d p|", f"{s['max_abs_dp']:.2e}", f"<= {s['bar']:g} ({t['dtype']})", s["max_abs_dp"] <= s["bar"])
+    row("max |d p|", f"{s['max_abs_dp']:.2e} ({s['max_over_bar']:.2f} of the bar)", f"<= {s['bar']:g}", s["max_abs_dp"] <= s["bar"])
+    if s["mean_bar"] is not None:
+        row("mean |d p|", f"{s['mean_abs_dp']:.2e}", f"<= {s['mean_bar']:g}", s["mean_abs_dp"] <= s["mean_bar"])
+    if s["backbone"]:
+        b = s["backbone"]
+        row("backbone hidden rows", f"rel max |d| {b['hidden_rel_max_abs_d']:.2e} (fp{'32' if b['compute'] == 'fp32' else '16'} "
+            f"compute, {b['seconds']:.1f} s)", "reported", True)
     row("usage.input_tokens equal", f"{s['usage_equal']}/{s['checked']}", "all", s["usage_equal"] == s["checked"])
     row("buckets used", ", ".join(f"{k}: {v}" for k, v in s["functions_used"].items()), "", True)
     row("wall time", f"{s['seconds']['total']:.1f} s (reference {s['seconds']['reference']:.1f} s, asset "
@@ -491,7 +497,8 @@ def check_release_cmd(
     requests: Annotated[Optional[Path], typer.Option("--requests", help="JSONL of SystemOne request bodies (default: the project's set, conversion/requests.jsonl).")] = None,
     device: Annotated[str, typer.Option("--device", help="Where the author's model runs: cpu, cuda or mps.")] = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="The author's model dtype: float32 or bfloat16.")] = "float32",
-    red: Annotated[Optional[str], typer.Option("--red", help="Perturb the shipped path (spans: one token late; lexical: another table's rows); the run must fail.")] = None,
+    backbone: Annotated[Optional[Path], typer.Option("--backbone", help="A backbone bundle of this release: its asset computes the hidden rows the head reads.")] = None,
+    red: Annotated[Optional[str], typer.Option("--red", help="Perturb the shipped path (spans: one token late; lexical: another table's rows; state: the backbone's states reset every chunk); the run must fail.")] = None,
     transcript: Annotated[Optional[Path], typer.Option("--transcript", help="Write the JSON transcript here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -499,7 +506,8 @@ def check_release_cmd(
     from .bundle import atomic_write_json
     from .check_release import CheckConfig, check_release
 
-    cfg = CheckConfig(release=release, bundle=bundle, table=table, requests=requests, device=device, dtype=dtype, red=red)
+    cfg = CheckConfig(release=release, bundle=bundle, table=table, requests=requests, device=device, dtype=dtype, red=red,
+                      backbone=backbone)
     report = _run(lambda: check_release(cfg, log=_log))
     if transcript:
         _run(lambda: atomic_write_json(transcript, report.transcript))
@@ -537,7 +545,7 @@ def aot(
 @app.command()
 def release(
     recipes: Annotated[Optional[list[Path]], typer.Argument(
-        help="Recipe TOMLs, one bundle each (default: conversion/head_bucket_fp16w32.toml).")] = None,
+        help="Recipe TOMLs, one bundle each (default: conversion/head_bucket_fp16w32.toml); with a backbone recipe, dist/ also holds host/lm_head_fp16.bin.")] = None,
     source: SourceOpt = None,
     pins: PinsOpt = None,
     dist: Annotated[Path, typer.Option("--dist", help="The release folder.")] = Path("dist"),

@@ -2,6 +2,11 @@
 
 ``dist/`` holds the bundle(s), their build records, and ``SHA256SUMS`` for every file (sorted,
 ``sha256sum -c`` format). The folder is staged and renamed into place like a bundle.
+
+With a backbone recipe among the recipes, ``dist/`` is a fine-tune's whole Mac release: the head
+bundle(s), the backbone bundle (its gate run against transformers where the decoder is small
+enough for the Linux runtime) and ``host/lm_head_fp16.bin`` with its sidecar, the lexical table the
+host reads for the head's inputs. AOT compiles head assets only.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from .digest import tree_files
 from .errors import ToolchainError, UsageError
 from .layout import SUMS_FILE
 from .recipe import Recipe
+
+HOST_DIR = "host"  # the lm_head table and its sidecar, in a release with a backbone
+
+
+def _is_backbone(recipe) -> bool:
+    return getattr(recipe, "model", "head") == "backbone"
 
 
 @dataclass(frozen=True)
@@ -42,7 +53,8 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
     names = [bundle_name(r, pins, cfg.name) for r, _ in cfg.recipes]
     if not names or len(set(names)) != len(names):
         raise UsageError(f"release needs one or more recipes with distinct names, got {names}")
-    compilable = any(backend(r.format).AOT for r, _ in cfg.recipes)
+    compilable = any(not _is_backbone(r) and backend(r.format).AOT for r, _ in cfg.recipes)
+    whole = any(_is_backbone(r) for r, _ in cfg.recipes)
     do_aot = cfg.aot == "on"
     if do_aot and not compilable:
         raise UsageError("--aot on: coreai-build compiles .aimodel assets, and no recipe builds one")
@@ -57,16 +69,28 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
     bundles = []
     with output_lock(dist), staged_dir(dist, cfg.overwrite) as tmp:
         for recipe, recipe_path in cfg.recipes:
-            result = build(BuildConfig(recipe=recipe, recipe_path=recipe_path, source=cfg.source,
-                                       pins_path=cfg.pins_path, out=tmp, verify=True,
-                                       verify_records=cfg.verify_records, name=cfg.name), log=log)
+            bcfg = BuildConfig(recipe=recipe, recipe_path=recipe_path, source=cfg.source, pins_path=cfg.pins_path,
+                               out=tmp, verify=True, verify_records=cfg.verify_records, name=cfg.name)
+            if _is_backbone(recipe):
+                from .backbone.build import build_backbone
+
+                result = build_backbone(bcfg, log=log)
+            else:
+                result = build(bcfg, log=log)
             if not result.record.get("verify", {}).get("ok"):
                 raise ToolchainError(f"{result.bundle}: the gate did not run; a release needs it")
-            if do_aot and backend(recipe.format).AOT:
+            if do_aot and not _is_backbone(recipe) and backend(recipe.format).AOT:
                 aot_compile(AotConfig(bundle=result.bundle), log=log)
             bundles.append(result.bundle.name)
+        table = None
+        if whole:
+            from .lm_head import lm_head_table
+
+            log("writing the lm_head table the host reads")
+            table = lm_head_table(cfg.source, pins, cfg.pins_path, tmp / HOST_DIR, log=log)
         files = tree_files(tmp)
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(files.items()))
         atomic_write_bytes(tmp / SUMS_FILE, lines.encode())
     log(f"release in {dist}: {len(files)} files, {SUMS_FILE}")
-    return {"dist": str(dist), "files": sorted(files), "aot": do_aot, "bundles": bundles}
+    return {"dist": str(dist), "files": sorted(files), "aot": do_aot, "bundles": bundles,
+            "lm_head_table": None if table is None else f"{HOST_DIR}/{Path(table['table']).name}"}

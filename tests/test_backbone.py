@@ -270,3 +270,120 @@ def test_tampered_shard_and_unpinned_file_are_named(releases, tmp_path):
     (rel / "pins.json").write_text(json.dumps(pins))
     res = runner.invoke(app, ["build", str(recipe), "--source", str(rel), "--out", str(tmp_path / "out"), "--dry-run"])
     assert res.exit_code == 3 and "tokenizer.json: not pinned" in res.output
+
+
+# ---------------------------------------------------------------- weights scaled by powers of two
+
+
+def test_scaled_weights_hold_no_subnormal_and_compute_the_same_bits(releases, tmp_path):
+    """The runtime flushes fp16 subnormals when it widens folded constants (measured: 2e-4 relative on
+    the tiny release); stored as W * 2**k none is left, and the fp32 graph's rows are bit for bit the
+    unscaled graph's (a power of two commutes with every rounding)."""
+    import torch
+
+    from clef_flash.backbone.contract import Chunking
+    from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
+    from clef_flash.backbone.release import release_config
+    from clef_flash.backbone.weights import load_weights
+
+    rel = releases["tiny"]
+    cfg = release_config(rel)
+    ch = Chunking(8, 64)
+    plain = load_weights(rel, weight_names(cfg), tmp_path)
+    scaled = load_weights(rel, weight_names(cfg), tmp_path, scaled=True)
+
+    def subnormal(t):
+        a = np.abs(np.asarray(t, dtype=np.float32))
+        return int(((a > 0) & (a < 2.0 ** -14)).sum())
+
+    two_d = [n for n, a in plain.arrays.items() if a.ndim >= 2]
+    assert sum(subnormal(plain.arrays[n]) for n in two_d) > 0, "the release has fp16 subnormals to begin with"
+    assert sum(subnormal(scaled.arrays[n]) for n in two_d) == 0
+    assert all(scaled.exponents[n] > 0 for n in two_d) and not any(plain.exponents.values())
+    normal = {n: np.abs(plain.arrays[n].astype(np.float32)) >= 2.0 ** -14 for n in two_d}
+    for n in two_d:  # where plain fp16 is exact, the stored values are the same numbers times 2**k
+        np.testing.assert_array_equal(np.ldexp(scaled.arrays[n].astype(np.float64), -scaled.exponents[n])[normal[n]],
+                                      plain.arrays[n].astype(np.float64)[normal[n]])
+    # the same weights unscaled in fp32 (exact): the scaled graph computes the same bits
+    unscaled = {n: torch.from_numpy(np.ldexp(a.astype(np.float32), -scaled.exponents.get(n, 0)).astype(np.float32))
+                for n, a in scaled.arrays.items()}
+    ids = torch.from_numpy(np.random.default_rng(5).integers(0, cfg.vocab_size, size=(1, 8)).astype(np.int32))
+    pos = torch.arange(8, dtype=torch.int32)[None]
+    with torch.no_grad():
+        a = DecoderChunk(cfg, ch, unscaled, "fp32")(ids, pos, *zero_states(cfg, ch).values())
+        b = DecoderChunk(cfg, ch, scaled.tensors(), "fp32", exponents=scaled.exponents)(ids, pos, *zero_states(cfg, ch).values())
+        c = DecoderChunk(cfg, ch, scaled.tensors(), "fp32")(ids, pos, *zero_states(cfg, ch).values())
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c), "without the exponents the scaled weights compute something else"
+
+
+# ---------------------------------------------------------------- check-release with the backbone
+
+
+@pytest.fixture(scope="module")
+def whole_model(releases, tmp_path_factory) -> dict[str, Path]:
+    """The tiny release's head bundle, and its fp32-compute backbone at chunk 64, context 1024 (the
+    project's requests of more tokens are listed as not fitting); the other release's backbone."""
+    from .conftest import build_bundle
+
+    tmp = tmp_path_factory.mktemp("whole-model")
+    out = {"head": build_bundle(releases["tiny"], tmp / "head")}
+    for key in ("tiny", "other"):
+        res = runner.invoke(app, ["build", str(_recipe(tmp, "fp32", chunk=64, context=1024)), "--source",
+                                  str(releases[key]), "--out", str(tmp / key), "--no-verify", "--json"])
+        assert res.exit_code == 0, res.output
+        out[key] = tmp / key / json.loads(res.stdout)["name"]
+    return out
+
+
+def test_check_release_through_the_backbone_asset(whole_model, releases, tmp_path):
+    """tokenizer -> backbone asset (chunked, states carried) -> head asset -> answers, against the
+    author's systemone: the head's own bar (1e-5) holds with an fp32-compute backbone."""
+    rel = releases["tiny"]
+    res = runner.invoke(app, ["check-release", str(rel), "--bundle", str(whole_model["head"]), "--backbone",
+                              str(whole_model["tiny"]), "--transcript", str(tmp_path / "t.json"), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    s = json.loads(res.stdout)
+    assert s["checked"] >= 3 and s["disagreements"] == 0
+    assert s["backbone"]["compute"] == "fp32" and 0 < s["backbone"]["hidden_rel_max_abs_d"] < 1e-5
+    assert s["bar"] == 1e-5 and s["max_abs_dp"] <= 1e-5
+    t = json.loads((tmp_path / "t.json").read_text())
+    assert any("backbone's context of 1024" in e["why"] for e in t["does_not_fit"])
+    assert all(e["backbone_rel_max_abs_d"] < 1e-5 for e in t["requests"] if "function" in e)
+
+
+def test_check_release_red_state_and_a_foreign_backbone_fail(whole_model, releases):
+    rel = releases["tiny"]
+    args = ["check-release", str(rel), "--bundle", str(whole_model["head"])]
+    res = runner.invoke(app, [*args, "--backbone", str(whole_model["tiny"]), "--red", "state", "--json"])
+    assert res.exit_code == 4, res.output[-2000:]
+    assert json.loads(res.stdout)["disagreements"] > 0
+    res = runner.invoke(app, [*args, "--red", "state"])
+    assert res.exit_code == 2 and "--backbone" in res.output
+    res = runner.invoke(app, [*args, "--backbone", str(whole_model["other"])])
+    assert res.exit_code == 3 and "config.json" in res.output and "another release" in res.output
+
+
+def test_release_with_a_backbone_is_the_whole_mac_release(releases, tmp_path, monkeypatch):
+    """head + backbone (each gated) + the lm_head table in one dist/ whose SHA256SUMS check."""
+    import subprocess
+    import sys
+
+    from .conftest import TINY_RECIPE
+
+    monkeypatch.setenv("PATH", "/usr/bin:/bin:" + str(Path(sys.executable).parent))  # no xcrun: AOT skipped
+    rel, dist = releases["tiny"], tmp_path / "dist"
+    res = runner.invoke(app, ["release", str(TINY_RECIPE), str(_recipe(tmp_path, "fp32")), "--source", str(rel),
+                              "--pins", str(rel / "pins.json"), "--dist", str(dist), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    s = json.loads(res.stdout)
+    head, backbone = s["bundles"]
+    assert backbone == "tiny_release_decode_fp32_pf16" and s["lm_head_table"] == "host/lm_head_fp16.bin"
+    names = [line.split("  ", 1)[1] for line in (dist / "SHA256SUMS").read_text().splitlines()]
+    for want in (f"{backbone}/metadata.json", f"{backbone}/{backbone}.aimodel/main.mlirb", f"{backbone}/tokenizer/tokenizer.json",
+                 f"{head}/metadata.json", "host/lm_head_fp16.bin", "host/lm_head_fp16.json"):
+        assert want in names, want
+    assert json.loads((dist / backbone / "build-record.json").read_text())["verify"]["ok"] is True
+    assert subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=dist).returncode == 0
+    (dist / "host" / "lm_head_fp16.bin").write_bytes(b"\0")
+    assert subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=dist, capture_output=True).returncode != 0

@@ -142,7 +142,9 @@ def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
         atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))
         outputs[MANIFEST_FILE] = sha256_file(tmp / MANIFEST_FILE)
         record = build_record(recipe, cfg.recipe_path, pins, dict(sorted(outputs.items())), text.hidden_size,
-                              {"model": "backbone", "text_config": text.as_dict(), "seconds": seconds})
+                              {"model": "backbone", "text_config": text.as_dict(), "seconds": seconds,
+                               # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see backbone.weights)
+                               "scaled_tensors": int(timings.get("scaled_tensors", 0))})
         if cfg.verify and recipe.verify.enabled:
             log("verifying the saved backbone against transformers' text model")
             report = verify_backbone(BackboneVerifyConfig(bundle=tmp, source=source, pins_path=cfg.pins_path,

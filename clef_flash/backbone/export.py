@@ -95,8 +95,9 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     check_contract(cfg, ch)
     t0 = time.perf_counter()
     log("mapping the release's weights as fp16")
-    weights = load_weights(source, weight_names(cfg), asset_dir.parent, log)
-    module = DecoderChunk(cfg, ch, weights.tensors(), job["compute"])
+    # fp32 compute: tensors stored scaled by powers of two, so no weight is an fp16 subnormal (``weights``)
+    weights = load_weights(source, weight_names(cfg), asset_dir.parent, log, scaled=job["compute"] == "fp32")
+    module = DecoderChunk(cfg, ch, weights.tensors(), job["compute"], exponents=weights.exponents)
     t_weights = time.perf_counter() - t0
     state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
     try:
@@ -117,4 +118,4 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     fp16_bytes = weights.fp16_bytes
     weights.close()
     return {"weights": t_weights, "trace": t_trace, "convert": t_convert, "save": t_save,
-            "weight_fp16_bytes": fp16_bytes}
+            "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k)}

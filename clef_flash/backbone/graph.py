@@ -95,7 +95,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
 
 class DecoderChunk(torch.nn.Module):
     def __init__(self, cfg: TextConfig, chunking: Chunking, weights: dict[str, torch.Tensor], compute: str = "fp32",
-                 key_block: int = KEY_BLOCK) -> None:
+                 key_block: int = KEY_BLOCK, exponents: dict[str, int] | None = None) -> None:
         super().__init__()
         if compute not in ("fp32", "fp16"):
             raise ValueError(f"compute must be fp32 or fp16, got {compute!r}")
@@ -107,6 +107,9 @@ class DecoderChunk(torch.nn.Module):
         # plain attributes, not parameters or buffers: torch.export lifts them as constants, and a
         # memory-mapped tensor is never copied into the module
         self.w = weights
+        # name -> k when the stored tensor is W * 2**k (``weights``: fp16 subnormals are flushed by the
+        # runtime); what is computed from it is multiplied by 2**-k, exactly
+        self.exponents = dict(exponents or {})
         half = cfg.rotary_dim // 2
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / cfg.rotary_dim))
         self.slots = torch.arange(chunking.context, dtype=torch.int32)
@@ -115,8 +118,12 @@ class DecoderChunk(torch.nn.Module):
         """A stored weight as the compute reads it (an fp16 weight through a cast for fp32)."""
         return self.w[name].to(self.dtype)
 
+    def _unscale(self, y: torch.Tensor, name: str) -> torch.Tensor:
+        k = self.exponents.get(name, 0)
+        return y * (2.0 ** -k) if k else y
+
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self._mat(name))
+        return self._unscale(F.linear(x, self._mat(name)), name)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + w), in fp32."""
@@ -125,7 +132,8 @@ class DecoderChunk(torch.nn.Module):
     def forward(self, input_ids, position_ids, keyCache, valueCache, convState, recState):  # noqa: N803
         cfg, S = self.cfg, self.ch.chunk
         pos = position_ids[:, -S:]  # [1, S]
-        x = F.embedding(input_ids.long(), self.w[f"{LM}embed_tokens.weight"]).to(self.dtype)
+        x = self._unscale(F.embedding(input_ids.long(), self.w[f"{LM}embed_tokens.weight"]).to(self.dtype),
+                          f"{LM}embed_tokens.weight")
         freqs = pos[0].float()[:, None] * self.inv_freq[None, :]  # [S, rot/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
@@ -186,7 +194,8 @@ class DecoderChunk(torch.nn.Module):
         g_in = self._lin(x, a + "in_proj_a.weight").float()
         window = torch.cat((convState[n].to(self.dtype), qkv), dim=-1)  # [1, C, K - 1 + S]
         convState[n].copy_(window[:, :, S:].to(convState.dtype))
-        conv = F.conv1d(window, self._mat(a + "conv1d.weight"), groups=window.shape[1])  # [1, C, S]
+        conv = self._unscale(F.conv1d(window, self._mat(a + "conv1d.weight"), groups=window.shape[1]),
+                             a + "conv1d.weight")  # [1, C, S]
         mixed = F.silu(conv).transpose(1, 2).float()  # [1, S, C]
         q = mixed[..., : hk * dk].reshape(1, S, hk, dk)
         k = mixed[..., hk * dk: 2 * hk * dk].reshape(1, S, hk, dk)

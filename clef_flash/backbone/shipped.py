@@ -1,0 +1,97 @@
+"""The backbone side of ``check-release --backbone``: a backbone bundle proven to belong to the
+release, then every request's token ids through its asset by the host loop.
+
+1. the bundle's files against its manifest (``gate.check_files``), its runtime interface against
+   the manifest (``gate.descriptor_checks``);
+2. the release's files against the manifest's source digests (the bundle was built from this
+   release: config, index, every shard) and its tokenizer files against the bundle's
+   ``tokenizer/`` (the ids the author's tokenizer gives are the ids a host's tokenizer gives);
+3. ``hidden_rows``: zero states per record, ceil(T / S) calls, the last chunk padded: the rows the
+   head's ``head_inputs`` takes (``red="state"`` resets the states between chunks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..digest import sha256_file
+from ..errors import IntegrityError
+
+# check-release's red arm name -> the host loop's
+RED = {"state": "state_reset"}
+
+
+@dataclass(frozen=True)
+class ShippedBackbone:
+    bundle: Path
+    asset: Path
+    manifest: Any  # BackboneManifest
+    checks: list[tuple[str, bool, str]]
+
+    @property
+    def compute(self) -> str:
+        return self.manifest.export.compute
+
+    @property
+    def max_context(self) -> int:
+        return self.manifest.language.max_context
+
+
+def open_backbone(bundle: Path, release: Path, hidden_size: int) -> ShippedBackbone:
+    """The bundle checked, and checked to be this release's backbone; ``IntegrityError`` naming the
+    first file that is not."""
+    from .gate import check_files, descriptor_checks
+
+    bundle, release = Path(bundle), Path(release)
+    m, asset, checks = check_files(bundle)
+    for name, want in sorted(m.source.files.items()):
+        path = release / name
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing; the backbone {bundle} was built from a release that has it")
+        if sha256_file(path) != want:
+            raise IntegrityError(f"{path}: sha256 differs from {bundle}'s manifest: the backbone was built from "
+                                 f"another release")
+    checks.append(("release backbone files = bundle's source", True, f"{len(m.source.files)} files"))
+    for name, want in sorted(m.tokenizer.items()):
+        path = release / name
+        if not path.is_file() or sha256_file(path) != want:
+            raise IntegrityError(f"{path}: missing or differs from {bundle}/tokenizer/{name}: the host would tokenize "
+                                 f"otherwise than the author")
+    checks.append(("release tokenizer = bundle's tokenizer/", True, f"{len(m.tokenizer)} files"))
+    if m.language.hidden_size != hidden_size:
+        raise IntegrityError(f"{bundle}: hidden rows of {m.language.hidden_size} values; the head takes {hidden_size}")
+    desc = descriptor_checks(asset, m)
+    bad = [f"{n}: {d}" for n, ok, d in desc if not ok]
+    if bad:
+        raise IntegrityError(f"{asset}: {bad[0]}")
+    return ShippedBackbone(bundle=bundle, asset=asset, manifest=m, checks=checks + desc)
+
+
+def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | None = None) -> list[np.ndarray]:
+    """Every record's hidden rows ``[T, hidden]`` (fp32), one record after another (each record
+    starts from zero states)."""
+    from .host import run_record
+    from .runtime import runner
+
+    m = bb.manifest
+    shapes = {n: tuple(int(x) for x in spec.shape) for n, spec in m.interface.states.items()}
+    dtype = next(iter(m.interface.states.values())).dtype
+    lang = m.language
+
+    async def run_all() -> list[np.ndarray]:
+        out = []
+        async with runner(bb.asset, shapes, dtype) as (call, new_states):
+            for ids in records:
+                out.append(await run_record(call, new_states, ids, lang.prefill_chunk, lang.max_context,
+                                            lang.pad_token_id, RED.get(red) if red else None))
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return asyncio.run(run_all())
