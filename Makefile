@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench artifact fetch check backbone clean
+.PHONY: setup build test test-fast verify bench bench-backbone artifact fetch check backbone clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -97,8 +97,18 @@ test: setup
 test-fast: setup
 	CLEF_AUTHOR_CODE=$(AUTHOR) $(BIN)/python -m pytest -q -ra -m "not real"
 
-bench: build
+bench: build bench-backbone
 	$(BIN)/python benchmarks/bench.py --source $(SYNTH) --pins $(SYNTH)/pins.json
+
+# the backbone build at the tiny configuration and at a real-width slice of the 9B (4 layers,
+# vocab 248,320: 5.9 GB of random bf16 written streamed; about 20 GB of free disk in all)
+SLICE := .cache/slice-9b-4
+$(SLICE)/pins.json: $(AUTHOR) clef_flash/backbone/synth.py | $(STAMP)
+	$(BIN)/clef-export synth-release $(SLICE) --size 9b --layers 4 --seed 0 --author-code $(AUTHOR) --overwrite
+	$(BIN)/clef-export pin $(SLICE) --name slice_9b --overwrite
+
+bench-backbone: setup $(TINY_REL)/pins.json $(SLICE)/pins.json
+	$(BIN)/python benchmarks/bench_backbone.py --tiny $(TINY_REL) --slice $(SLICE) --work build
 
 clean:
 	rm -rf build dist .cache .pytest_cache

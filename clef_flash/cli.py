@@ -124,6 +124,7 @@ def fetch(
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="huggingface_hub cache folder.")] = None,
     local_dir: Annotated[Optional[Path], typer.Option("--local-dir", help="Download into this folder instead of the cache.")] = None,
     allow_unpinned: Annotated[bool, typer.Option("--allow-unpinned", help="Allow a revision other than the pinned commit.")] = False,
+    backbone: Annotated[bool, typer.Option("--backbone", help="Also every other pinned file: config, index, shards, tokenizer (a backbone build reads them).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Download the head's pinned files by commit (HF_HOME, HF_ENDPOINT, HF_HUB_OFFLINE honoured)."""
@@ -137,7 +138,7 @@ def fetch(
     def go():
         p = load_pins(_pins(pins))
         return p, do_fetch(p, revision=revision, cache_dir=cache_dir, local_dir=local_dir, allow_unpinned=allow_unpinned,
-                           log=_log)
+                           backbone=backbone, log=_log)
 
     p, folder = _run(go)
     if json_out:
@@ -242,10 +243,25 @@ def synth_release(
     author_code: Annotated[Path, typer.Option("--author-code", help="The verified joint_schema_model.py.")] = Path(".cache/author/joint_schema_model.py"),
     variant: Annotated[str, typer.Option("--variant", help="tiny: make-tiny's configuration; other: another Qwen3.5 text "
                                          "configuration (widths, layer pattern, conv kernel), sharded with an index.")] = "tiny",
+    size: Annotated[Optional[str], typer.Option("--size", help="9b: the 9B's text configuration at real width, written "
+                                                "streamed (random bf16, 2 GiB shards, the real head configuration).")] = None,
+    layers: Annotated[Optional[int], typer.Option("--layers", help="With --size: only the first N layers (4: 3 linear + 1 full).")] = None,
     overwrite: OverwriteOpt = False,
 ) -> None:
-    """Write a tiny random release in clef-finetune's layout (make-tiny's head configuration); labelled tiny-random."""
+    """Write a random release in clef-finetune's layout: tiny (make-tiny's head configuration), or at real width (--size)."""
     from .synth import MAKE_TINY_HEAD, OTHER_HEAD, VARIANTS, write_release
+
+    if size is not None or layers is not None:
+        from .backbone.synth import write_wide_release
+
+        if size is None:
+            err.print("[bold red]error:[/] --layers needs --size")
+            raise typer.Exit(2)
+        _run(lambda: write_wide_release(out_dir, size=size, layers=layers, seed=seed, author_code=author_code,
+                                        overwrite=overwrite, log=_log))
+        err.print(f"random {size} release{f' ({layers} layers)' if layers else ''}, seed {seed}, in {out_dir}; "
+                  f"pin it with clef-export pin {out_dir}")
+        return
 
     if backbone not in ("qwen3_5", "stub"):
         err.print(f"[bold red]error:[/] --backbone must be qwen3_5 or stub, got {backbone!r}")

@@ -102,10 +102,12 @@ def fetch(
     cache_dir: Path | None = None,
     local_dir: Path | None = None,
     allow_unpinned: bool = False,
+    backbone: bool = False,
     log=lambda msg: None,
 ) -> Path:
     """Download the head's pinned files by commit (``hf_hub_download``), verify each, return their
-    folder. (The lm_head shard is fetched on its own, by ``lm-head-table``.)
+    folder. (The lm_head shard is fetched on its own, by ``lm-head-table``.) ``backbone``: every
+    other pinned file too (config, index, every shard, tokenizer files: what a backbone build reads).
 
     Honours ``HF_HOME``, ``HF_ENDPOINT`` and ``HF_HUB_OFFLINE`` through huggingface_hub itself.
     Bytes that do not match their pin never stay where a later run would use them: a copy already
@@ -118,7 +120,8 @@ def fetch(
     rev = _check_revision(pins, revision, allow_unpinned)
     hf_logging.set_verbosity_error()  # our one-line errors say what failed; no retry chatter
     folder: Path | None = None
-    for name in HEAD_FILES:
+    names = list(HEAD_FILES) + (sorted(set(pins.files) - set(HEAD_FILES)) if backbone else [])
+    for name in names:
         where = f"{pins.hf_id}@{rev[:12]}/{name}"
         if local_dir is not None:
             existing: Path | None = Path(local_dir) / name

@@ -387,3 +387,31 @@ def test_release_with_a_backbone_is_the_whole_mac_release(releases, tmp_path, mo
     assert subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=dist).returncode == 0
     (dist / "host" / "lm_head_fp16.bin").write_bytes(b"\0")
     assert subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=dist, capture_output=True).returncode != 0
+
+
+def test_hub_pins_fetch_the_backbone_and_build_from_the_cache(releases, tmp_path):
+    """pin a Hub commit (loopback fake Hub) -> fetch --backbone (config, index, every shard,
+    tokenizer) -> build offline from the cache; without --backbone the shards are not fetched."""
+    from .fakehub import FakeHub
+    from .test_fetch import run_cli
+
+    rel, revision = releases["other"], "1" * 40
+    with FakeHub("someone/other-release", revision, rel) as hub:
+        pins = tmp_path / "pins.json"
+        r, _ = run_cli(["pin", "someone/other-release", "--revision", revision, "--out", pins], hub.endpoint, tmp_path / "hf")
+        assert r.returncode == 0, r.stderr[-1500:]
+        pinned = json.loads(pins.read_text())["files"]
+        assert "config.json" in pinned and "tokenizer.json" in pinned and sum(f.endswith(".safetensors") for f in pinned) >= 8
+        r, _ = run_cli(["fetch", "--pins", pins, "--json"], hub.endpoint, tmp_path / "hf")
+        assert r.returncode == 0, r.stderr[-1500:]
+        assert not (Path(json.loads(r.stdout)["folder"]) / "config.json").exists()
+        r, _ = run_cli(["fetch", "--pins", pins, "--backbone", "--json"], hub.endpoint, tmp_path / "hf")
+        assert r.returncode == 0, r.stderr[-1500:]
+        folder = Path(json.loads(r.stdout)["folder"])
+        assert all((folder / f).is_file() for f in pinned)
+    r, _ = run_cli(["build", _recipe(tmp_path, "fp32"), "--pins", pins, "--out", tmp_path / "out", "--json"], None,
+                   tmp_path / "hf", offline=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    m = json.loads(r.stdout)
+    assert m["source"]["hf_id"] == "someone/other-release" and m["source"]["revision"] == revision
+    assert json.loads((tmp_path / "out" / m["name"] / "build-record.json").read_text())["verify"]["ok"] is True

@@ -26,6 +26,7 @@ import mmap
 import os
 import struct
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,16 +165,24 @@ class Fp16Weights:
         return _as_f32(raw, t.dtype).reshape(t.shape).copy()
 
     def _blocks(self, t: TensorInfo):
-        """The tensor as fp32 row blocks ``(r0, r1, values)`` read from the mapped shard."""
+        """The tensor as fp32 row blocks ``(r0, r1, values)`` (torch, converted on all cores) read
+        from the mapped shard."""
+        import torch
+
         item = _ITEMSIZE[t.dtype]
         rows = t.shape[0]
         row_elems = int(np.prod(t.shape[1:]))
         src = np.memmap(self.folder / t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
         step = max(1, _BLOCK_BYTES // (row_elems * item))
+        view = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
+        np_dtype, torch_dtype = view[t.dtype]
         try:
             for r0 in range(0, rows, step):
                 r1 = min(rows, r0 + step)
-                yield r0, r1, _as_f32(np.asarray(src[r0 * row_elems * item: r1 * row_elems * item]), t.dtype)
+                raw = np.asarray(src[r0 * row_elems * item: r1 * row_elems * item]).view(np_dtype)
+                with warnings.catch_warnings():  # a read-only mapping: torch only reads it
+                    warnings.simplefilter("ignore")
+                    yield r0, r1, torch.from_numpy(raw).view(torch_dtype).float()
         finally:
             del src
 
@@ -181,8 +190,8 @@ class Fp16Weights:
         """The largest k with max |W| * 2**k <= 2**SCALE_TARGET (0 for an all-zero tensor)."""
         top = 0.0
         for _, _, block in self._blocks(t):
-            with np.errstate(invalid="ignore"):
-                top = max(top, float(np.nanmax(np.abs(block))) if block.size else 0.0)
+            if block.numel():  # no |block| temporary: the larger of max and -min
+                top = max(top, float(block.max()), -float(block.min()))
         if top == 0.0 or not np.isfinite(top):
             return 0
         # bounded so that 2**-k stays a normal fp32 number (a subnormal constant would be flushed too)
@@ -191,16 +200,17 @@ class Fp16Weights:
     def _convert(self, t: TensorInfo, dest: np.ndarray, k: int = 0) -> None:
         """Row blocks of the shard (memory-mapped) -> fp16 (times 2**k) in the scratch file; a value
         beyond fp16's range is an error naming the tensor, never a silent inf."""
+        import torch
+
         rows = t.shape[0]
-        flat = dest.reshape(rows, -1)
+        flat = torch.from_numpy(dest.reshape(rows, -1))
         for r0, r1, block in self._blocks(t):
             if k:
-                block = np.ldexp(block, k)  # exact: a power of two
-            with np.errstate(over="ignore", invalid="ignore"):
-                half = block.astype(np.float16)
-            if not np.isfinite(half).all() and np.isfinite(block).all():
+                block.mul_(2.0 ** k)  # exact: a power of two
+            part = flat[r0:r1]
+            part.copy_(block.reshape(r1 - r0, -1))  # rounds to nearest even, as numpy's astype
+            if not bool(torch.isfinite(part).all()) and bool(torch.isfinite(block).all()):
                 raise IntegrityError(f"{self.folder / t.file}: {t.name} has values beyond fp16's range (|x| > 65504)")
-            flat[r0:r1] = half.reshape(r1 - r0, -1)
 
     def tensors(self):
         import torch
