@@ -291,21 +291,24 @@ async def runner(asset: Path, names: list[str]):
     from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
+    from .quiet import native_stderr
+
     slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
-    async with AIModelAsset.load(asset).executable() as model:
-        fns = {}
-        for name in names:
-            fn = model.load_function(name)
-            if fn is None:
-                raise IntegrityError(f"{asset}: function {name} not found")
-            fns[name] = fn
+    with native_stderr():  # the runtime's own lines, off the terminal unless --verbose
+        async with AIModelAsset.load(asset).executable() as model:
+            fns = {}
+            for name in names:
+                fn = model.load_function(name)
+                if fn is None:
+                    raise IntegrityError(f"{asset}: function {name} not found")
+                fns[name] = fn
 
-        async def call(name: str, arrays: dict[str, Any]) -> Any:
-            async with slots:
-                out = await fns[name]({k: NDArray(np.ascontiguousarray(v)) for k, v in arrays.items()})
-                return np.array(out["logits"].numpy(), dtype=np.float32, copy=True)
+            async def call(name: str, arrays: dict[str, Any]) -> Any:
+                async with slots:
+                    out = await fns[name]({k: NDArray(np.ascontiguousarray(v)) for k, v in arrays.items()})
+                    return np.array(out["logits"].numpy(), dtype=np.float32, copy=True)
 
-        yield call
+            yield call
 
 
 async def _describe(asset: Path) -> list[dict[str, Any]]:
@@ -329,6 +332,8 @@ def describe(asset: Path) -> list[dict[str, Any]]:
     """Functions, inputs and outputs as the Core AI runtime reports them."""
     import asyncio
 
-    with warnings.catch_warnings():
+    from .quiet import native_stderr
+
+    with warnings.catch_warnings(), native_stderr():
         warnings.simplefilter("ignore")
         return asyncio.run(_describe(Path(asset)))

@@ -39,10 +39,13 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show tracebacks on errors.")] = False,
+def _root(verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Show tracebacks on errors, and the Core AI runtime's own lines.")] = False,
           version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                 help="Print the version and exit.")] = False) -> None:
     _state["verbose"] = verbose
+    from .quiet import set_verbose
+
+    set_verbose(verbose)
 
 
 def _run(fn: Callable[[], Any]) -> Any:

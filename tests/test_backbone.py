@@ -327,8 +327,9 @@ def whole_model(releases, tmp_path_factory) -> dict[str, Path]:
     from .conftest import build_bundle
 
     tmp = tmp_path_factory.mktemp("whole-model")
-    out = {"head": build_bundle(releases["tiny"], tmp / "head")}
+    out = {}
     for key in ("tiny", "other"):
+        out[f"{key}-head"] = build_bundle(releases[key], tmp / f"{key}-head")
         res = runner.invoke(app, ["build", str(_recipe(tmp, "fp32", chunk=64, context=1024)), "--source",
                                   str(releases[key]), "--out", str(tmp / key), "--no-verify", "--json"])
         assert res.exit_code == 0, res.output
@@ -336,12 +337,14 @@ def whole_model(releases, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def test_check_release_through_the_backbone_asset(whole_model, releases, tmp_path):
+@pytest.mark.parametrize("variant", ["tiny", "other"])
+def test_check_release_through_the_backbone_asset(whole_model, releases, tmp_path, variant):
     """tokenizer -> backbone asset (chunked, states carried) -> head asset -> answers, against the
-    author's systemone: the head's own bar (1e-5) holds with an fp32-compute backbone."""
-    rel = releases["tiny"]
-    res = runner.invoke(app, ["check-release", str(rel), "--bundle", str(whole_model["head"]), "--backbone",
-                              str(whole_model["tiny"]), "--transcript", str(tmp_path / "t.json"), "--json"])
+    author's systemone: the head's own bar (1e-5) holds with an fp32-compute backbone, on make-tiny's
+    configuration and on another (widths, layer pattern, conv kernel, sharded)."""
+    rel = releases[variant]
+    res = runner.invoke(app, ["check-release", str(rel), "--bundle", str(whole_model[f"{variant}-head"]), "--backbone",
+                              str(whole_model[variant]), "--transcript", str(tmp_path / "t.json"), "--json"])
     assert res.exit_code == 0, res.output[-3000:]
     s = json.loads(res.stdout)
     assert s["checked"] >= 3 and s["disagreements"] == 0
@@ -354,7 +357,7 @@ def test_check_release_through_the_backbone_asset(whole_model, releases, tmp_pat
 
 def test_check_release_red_state_and_a_foreign_backbone_fail(whole_model, releases):
     rel = releases["tiny"]
-    args = ["check-release", str(rel), "--bundle", str(whole_model["head"])]
+    args = ["check-release", str(rel), "--bundle", str(whole_model["tiny-head"])]
     res = runner.invoke(app, [*args, "--backbone", str(whole_model["tiny"]), "--red", "state", "--json"])
     assert res.exit_code == 4, res.output[-2000:]
     assert json.loads(res.stdout)["disagreements"] > 0
@@ -415,3 +418,56 @@ def test_hub_pins_fetch_the_backbone_and_build_from_the_cache(releases, tmp_path
     m = json.loads(r.stdout)
     assert m["source"]["hf_id"] == "someone/other-release" and m["source"]["revision"] == revision
     assert json.loads((tmp_path / "out" / m["name"] / "build-record.json").read_text())["verify"]["ok"] is True
+
+
+def test_out_of_fp16_range_is_refused_unscaled_and_fits_scaled(tmp_path):
+    """A bf16 value beyond 65504: fp16 compute refuses the tensor by name; fp32 compute stores it
+    scaled by 2**-k (k negative) and gets the value back exactly."""
+    import torch
+    from safetensors.torch import save_file
+
+    from clef_flash.backbone.weights import load_weights
+    from clef_flash.errors import IntegrityError
+
+    w = torch.full((4, 8), 0.25)
+    w[1, 3] = 1.0e5
+    w[2, 5] = 3.0e-6  # an fp16 subnormal unscaled
+    save_file({"m.weight": w.to(torch.bfloat16)}, str(tmp_path / "model.safetensors"))
+    want = w.to(torch.bfloat16).float().numpy()
+    with pytest.raises(IntegrityError, match=r"model.safetensors: m.weight has values beyond fp16's range"):
+        load_weights(tmp_path, {"m.weight": (4, 8)}, tmp_path)
+    scaled = load_weights(tmp_path, {"m.weight": (4, 8)}, tmp_path, scaled=True)
+    k = scaled.exponents["m.weight"]
+    assert k < 0
+    got = np.ldexp(scaled.arrays["m.weight"].astype(np.float32), -k)
+    small = np.zeros_like(got, dtype=bool)
+    small[2, 5] = True  # 2**-17 of the tensor's maximum: below fp16's normal range even scaled, rounded
+    np.testing.assert_array_equal(got[~small], want[~small])
+    assert abs(got[2, 5] - want[2, 5]) < 2.0 ** -24 * 2.0 ** -k
+
+
+def test_the_wide_writer_writes_readable_shards(tmp_path):
+    """The real-width writer's pieces at small shapes: the 9B configuration sliced, shards cut by
+    size, a streamed safetensors file that safetensors reads back with the declared shapes."""
+    from safetensors import safe_open
+
+    from clef_flash.backbone import synth
+    from clef_flash.errors import UsageError
+
+    text = synth.text_config("9b", 4)
+    assert text["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] and text["num_hidden_layers"] == 4
+    assert synth.text_config("9b")["num_hidden_layers"] == 32
+    with pytest.raises(UsageError, match="--layers"):
+        synth.text_config("9b", 33)
+    with pytest.raises(UsageError, match="--size"):
+        synth.text_config("27b")
+    shapes = {"a.weight": (64, 32), "b.A_log": (8,), "c.conv1d.weight": (16, 1, 4), "d.norm.weight": (32,)}
+    shards = synth._plan_shards(shapes)
+    assert [n for s in shards for n in s] == list(shapes)
+    synth._write_shard(tmp_path / "s.safetensors", list(shapes), shapes, np.random.default_rng(0))
+    with safe_open(str(tmp_path / "s.safetensors"), "pt") as f:
+        for name, shape in shapes.items():
+            t = f.get_tensor(name)
+            assert tuple(t.shape) == shape and str(t.dtype) == "torch.bfloat16"
+        assert 0.01 < float(f.get_tensor("a.weight").float().std()) < 0.03
+        assert float(f.get_tensor("b.A_log").float().min()) >= 0.0

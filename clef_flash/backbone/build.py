@@ -25,7 +25,7 @@ from ..pinning import BACKBONE_CONFIG, TOKENIZER_FILES
 from ..pins import load_pins
 from ..provenance import asset_description, build_date, build_record
 from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract
-from .graph import weight_names
+from .contract import weight_names
 from .manifest import (HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface,
                        Language, TensorSpec)
 from .release import TOKENIZER_DIR, read_files, release_config, verify_files

@@ -180,3 +180,41 @@ def input_shapes(ch: Chunking) -> dict[str, tuple[int, ...]]:
 def chunks_for(tokens: int, chunk: int) -> int:
     """Calls a record of ``tokens`` tokens takes: ceil(T / S)."""
     return -(-tokens // chunk)
+
+
+# the checkpoint's names (here, not in graph: the build's plan reads them without importing torch)
+LM = "model.language_model."
+
+
+def weight_names(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the decoder reads, by its checkpoint name, with its shape."""
+    h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    hk, hv = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    out: dict[str, tuple[int, ...]] = {f"{LM}embed_tokens.weight": (cfg.vocab_size, h), f"{LM}norm.weight": (h,)}
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"{LM}layers.{i}."
+        out[p + "input_layernorm.weight"] = (h,)
+        out[p + "post_attention_layernorm.weight"] = (h,)
+        out[p + "mlp.gate_proj.weight"] = (cfg.intermediate_size, h)
+        out[p + "mlp.up_proj.weight"] = (cfg.intermediate_size, h)
+        out[p + "mlp.down_proj.weight"] = (h, cfg.intermediate_size)
+        if kind == "full_attention":
+            a = p + "self_attn."
+            out[a + "q_proj.weight"] = (nh * hd * (2 if cfg.attn_output_gate else 1), h)
+            out[a + "k_proj.weight"] = (nkv * hd, h)
+            out[a + "v_proj.weight"] = (nkv * hd, h)
+            out[a + "o_proj.weight"] = (h, nh * hd)
+            out[a + "q_norm.weight"] = (hd,)
+            out[a + "k_norm.weight"] = (hd,)
+        else:
+            a = p + "linear_attn."
+            out[a + "in_proj_qkv.weight"] = (2 * hk + hv, h)
+            out[a + "in_proj_z.weight"] = (hv, h)
+            out[a + "in_proj_b.weight"] = (cfg.linear_num_value_heads, h)
+            out[a + "in_proj_a.weight"] = (cfg.linear_num_value_heads, h)
+            out[a + "conv1d.weight"] = (cfg.conv_channels, 1, cfg.conv_kernel)
+            out[a + "dt_bias"] = (cfg.linear_num_value_heads,)
+            out[a + "A_log"] = (cfg.linear_num_value_heads,)
+            out[a + "norm.weight"] = (cfg.linear_value_head_dim,)
+            out[a + "out_proj.weight"] = (h, hv)
+    return out

@@ -84,8 +84,8 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
 
     from ..aimodel import import_toolchain, save
     from ..errors import ToolchainError
-    from .contract import check_contract
-    from .graph import DecoderChunk, weight_names
+    from .contract import check_contract, weight_names
+    from .graph import DecoderChunk
     from .weights import load_weights
 
     import_toolchain()

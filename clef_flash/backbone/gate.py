@@ -185,6 +185,7 @@ def reference_model(source: Path):
     from transformers.utils import logging as tf_logging
 
     tf_logging.set_verbosity_error()
+    tf_logging.disable_progress_bar()  # "Loading weights" bars are not our progress
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = Qwen3_5ForConditionalGeneration.from_pretrained(source, dtype=torch.float32).eval()
@@ -219,7 +220,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     text = release_config(source)
     compute = m.export.compute
     chunk, context = m.language.prefill_chunk, m.language.max_context
-    from .graph import weight_names
+    from .contract import weight_names
     params = sum(int(np.prod(s)) for s in weight_names(text).values())
     notes: list[str] = []
     results: list[RecordResult] = []

@@ -21,19 +21,22 @@ async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dt
     from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
-    async with AIModelAsset.load(Path(asset)).executable() as model:
-        fn = model.load_function(FUNCTION)
-        if fn is None:
-            raise IntegrityError(f"{asset}: function {FUNCTION} not found")
+    from ..quiet import native_stderr
 
-        def new_states() -> dict[str, Any]:
-            return {n: NDArray(np.zeros(state_shapes[n], dtype=_NP[state_dtype])) for n in STATE_ORDER}
+    with native_stderr():  # the runtime's own lines, off the terminal unless --verbose
+        async with AIModelAsset.load(Path(asset)).executable() as model:
+            fn = model.load_function(FUNCTION)
+            if fn is None:
+                raise IntegrityError(f"{asset}: function {FUNCTION} not found")
 
-        async def call(inputs: dict[str, np.ndarray], states: dict[str, Any]) -> np.ndarray:
-            out = await fn({k: NDArray(np.ascontiguousarray(v)) for k, v in inputs.items()}, states)
-            return np.array(out[OUTPUT_NAMES[0]].numpy(), dtype=np.float32, copy=True)[0]
+            def new_states() -> dict[str, Any]:
+                return {n: NDArray(np.zeros(state_shapes[n], dtype=_NP[state_dtype])) for n in STATE_ORDER}
 
-        yield call, new_states
+            async def call(inputs: dict[str, np.ndarray], states: dict[str, Any]) -> np.ndarray:
+                out = await fn({k: NDArray(np.ascontiguousarray(v)) for k, v in inputs.items()}, states)
+                return np.array(out[OUTPUT_NAMES[0]].numpy(), dtype=np.float32, copy=True)[0]
+
+            yield call, new_states
 
 
 async def _describe(asset: Path) -> dict[str, Any]:
@@ -60,6 +63,8 @@ def describe(asset: Path) -> dict[str, Any]:
     import asyncio
     import warnings
 
-    with warnings.catch_warnings():
+    from ..quiet import native_stderr
+
+    with warnings.catch_warnings(), native_stderr():
         warnings.simplefilter("ignore")
         return asyncio.run(_describe(Path(asset)))

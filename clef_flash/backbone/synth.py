@@ -113,7 +113,7 @@ def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, a
     from ..pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE
     from ..synth import RELEASE_PROVENANCE, RELEASE_TINY_MARKER, _config, byte_tokenizer, synth_state
     from .contract import text_config as parse_text
-    from .graph import weight_names
+    from .contract import weight_names
     from .weights import INDEX_FILE
 
     text = text_config(size, layers)
