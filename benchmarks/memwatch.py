@@ -52,9 +52,9 @@ def tree(root: int) -> list[int]:
     return seen
 
 
-def watch(cmd: list[str], interval: float = 0.05, stdout=None) -> dict:
+def watch(cmd: list[str], interval: float = 0.05, stdout=None, stderr=None) -> dict:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=stdout or subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=stdout or subprocess.DEVNULL, stderr=stderr or subprocess.DEVNULL)
     peak_anon = peak_rss = 0
     per_process: dict[int, int] = {}  # pid -> its own peak anonymous + shared kB
     while proc.poll() is None:
@@ -77,11 +77,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--interval", type=float, default=0.05)
     ap.add_argument("--stdout", type=Path)
+    ap.add_argument("--stderr", type=Path, help="the command's progress lines (default: discarded)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
-    with open(a.stdout, "wb") if a.stdout else open(os.devnull, "wb") as fh:
-        print(json.dumps(watch(cmd, a.interval, fh)))
+    with open(a.stdout or os.devnull, "wb") as out, open(a.stderr or os.devnull, "wb") as err:
+        print(json.dumps(watch(cmd, a.interval, out, err)))
     sys.exit(0)
 
 

@@ -471,3 +471,59 @@ def test_the_wide_writer_writes_readable_shards(tmp_path):
             assert tuple(t.shape) == shape and str(t.dtype) == "torch.bfloat16"
         assert 0.01 < float(f.get_tensor("a.weight").float().std()) < 0.03
         assert float(f.get_tensor("b.A_log").float().min()) >= 0.0
+
+
+def test_too_little_disk_is_refused_before_any_work(releases, tmp_path, monkeypatch):
+    """The plan needs the fp16 weights twice on the output's disk (scratch, main.mlirb) plus a
+    margin; one byte less is refused, naming the folder."""
+    import shutil
+
+    from clef_flash.backbone.build import COPIES, MARGIN
+    from clef_flash.backbone.contract import weight_names
+    from clef_flash.backbone.release import release_config
+    from clef_flash.backbone.weights import locate, scratch_bytes
+
+    rel = releases["tiny"]
+    assert COPIES == 2
+    need = 2 * scratch_bytes(locate(rel, weight_names(release_config(rel)))) + MARGIN
+    args = ["build", str(_recipe(tmp_path, "fp16")), "--source", str(rel), "--out", str(tmp_path / "out"), "--dry-run"]
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 0, need - 1))
+    res = runner.invoke(app, args)
+    assert res.exit_code == 1 and "not enough free space for the backbone build" in res.output and f"{need:,}" in res.output
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(1 << 40, 0, need))
+    assert runner.invoke(app, args).exit_code == 0
+
+
+def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
+    """The converter's temporary copies are skipped by handing it the mapped arrays as resources
+    (private coreai-torch API): main.mlirb must stay byte for byte what its own path writes, for
+    large (run-time cast) and small (folded) fp16 constants; an fp32 constant keeps its own path."""
+    import torch
+    from coreai_torch import TorchConverter, get_decomp_table
+
+    from clef_flash.aimodel import deterministic_naming, save
+    from clef_flash.backbone.export import constants_from_buffers
+    from clef_flash.digest import sha256_file
+
+    gen = torch.Generator().manual_seed(0)
+    big, small = (0.02 * torch.randn(512, 1024, generator=gen)).half(), (0.02 * torch.randn(64, 512, generator=gen)).half()
+    bias = torch.randn(64, generator=gen)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.linear(torch.nn.functional.linear(x, big.float()), small.float()) + bias
+
+    def build(buffers: bool, out: Path):
+        ep = torch.export.export(M(), (torch.randn(1, 8, 1024),)).run_decompositions(get_decomp_table())
+        conv = TorchConverter(mode=TorchConverter.Mode.RELEASE)
+        conv.add_exported_program(ep, input_names=["x"], output_names=["y"], entrypoint_name="main")
+        with deterministic_naming(), (constants_from_buffers() if buffers else __import__("contextlib").nullcontext()) as n:
+            prog = conv.to_coreai()
+        save(prog, out, {"author": "t", "license": "t", "description": "t"})
+        return n
+
+    count = build(True, tmp_path / "buf.aimodel")
+    build(False, tmp_path / "own.aimodel")
+    assert count == [2]
+    assert sha256_file(tmp_path / "buf.aimodel" / "main.mlirb") == sha256_file(tmp_path / "own.aimodel" / "main.mlirb")

@@ -32,15 +32,17 @@ from .release import TOKENIZER_DIR, read_files, release_config, verify_files
 from .weights import locate, scratch_bytes
 
 MARGIN = 64 << 20
+# the fp16 weights on the output's disk at once: the scratch file and main.mlirb (the converter
+# takes the scratch file's arrays as they are, ``export.constants_from_buffers``: no third copy)
+COPIES = 2
 
 
 def check_free_space(final: Path, need: int) -> None:
     probe = next(p for p in [final.parent, *final.parent.parents] if p.exists())
     free = shutil.disk_usage(probe).free
     if free < need:
-        raise OutputError(f"{probe}: not enough free space for the backbone build (the fp16 weights three times: "
-                          f"scratch, the converter's temporary files and main.mlirb; needs about {need:,} bytes, "
-                          f"{free:,} free)")
+        raise OutputError(f"{probe}: not enough free space for the backbone build (the fp16 weights twice: the "
+                          f"scratch file and main.mlirb; needs about {need:,} bytes, {free:,} free)")
 
 
 def plan(cfg: BuildConfig, log=lambda m: None) -> dict[str, Any]:
@@ -63,7 +65,7 @@ def plan(cfg: BuildConfig, log=lambda m: None) -> dict[str, Any]:
         raise IntegrityError(f"{source / BACKBONE_CONFIG}: {exc}") from None
     infos = locate(source, weight_names(text))
     fp16 = scratch_bytes(infos)
-    check_free_space(final, 3 * fp16 + MARGIN)
+    check_free_space(final, COPIES * fp16 + MARGIN)
     parameters = sum(int(__import__("math").prod(t.shape)) for t in infos.values())
     return {"recipe": str(cfg.recipe_path), "name": final.name, "model": "backbone", "bundle": str(final),
             "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,

@@ -3,11 +3,13 @@ states as inputs updated in place) -> ``run_decompositions`` (conv1d, index_copy
 not lowered otherwise) -> one coreai-torch converter, the states named -> ``to_coreai`` -> debug
 locations stripped -> a streamed save (``save_streamed``).
 
-Memory: the weights are memory-mapped fp16 (``weights``); neither torch.export nor the converter
-copies them into anonymous memory (the converter writes each large constant to a temporary
-resource file under ``TMPDIR``, file-backed). ``save_asset`` would read the whole written
-``main.mlirb`` back into memory to hash it; ``aimodel.save`` writes the same files and hashes
-``main.mlirb`` in blocks instead.
+Memory and disk: the weights are memory-mapped fp16 (``weights``); neither torch.export nor the
+converter copies them into anonymous memory. The converter would copy each constant into a
+temporary resource file under ``TMPDIR`` (a second full copy on disk, 16 GB for the 9B);
+``constants_from_buffers`` hands it the mapped arrays themselves as resources instead, with the
+converter's own alignment, so ``main.mlirb`` is byte for byte what the converter writes (a test
+holds it). ``save_asset`` would read the whole written ``main.mlirb`` back into memory to hash it;
+``aimodel.save`` writes the same files and hashes ``main.mlirb`` in blocks instead.
 """
 
 from __future__ import annotations
@@ -60,7 +62,42 @@ def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str
     return ep
 
 
-def convert(ep, log: Callable[[str], None] = lambda m: None):
+RESOURCE_ALIGNMENT = 16  # what the converter's own resource blobs use (coreai-torch 0.4.3): same bytes
+
+
+@contextlib.contextmanager
+def constants_from_buffers():
+    """While converting, every fp16 constant of two or more dimensions becomes a resource that
+    points at the tensor's own memory (our mapped scratch file) instead of the converter's temporary
+    file copy. Private coreai-torch API (``TorchConverter._constant_from_tensor``), pinned with
+    coreai-torch 0.4.3; ``tests/test_backbone.py`` holds the bytes equal to the converter's path."""
+    import torch
+    from coreai._compiler.dialects import coreai
+    from coreai._compiler.ir import DenseResourceElementsAttr
+    from coreai_torch import TorchConverter
+    from coreai_torch import converter as tc
+
+    original = TorchConverter._constant_from_tensor
+    count = [0]
+
+    def from_buffer(self, tensor):
+        plain = type(tensor) is torch.Tensor and not hasattr(tensor, "future_dtype")
+        if not (plain and tensor.dtype == torch.float16 and tensor.dim() >= 2 and tensor.is_contiguous()):
+            return original(self, tensor)
+        count[0] += 1  # a placeholder name: save renames every blob after its bytes
+        attr = DenseResourceElementsAttr.get_from_buffer(
+            tensor.detach().numpy(), f"clef_w{count[0]}", tc.get_tensor_type(tensor, self._location, dtype=torch.float16),
+            alignment=RESOURCE_ALIGNMENT)
+        return coreai.ConstantOp(value=attr).result
+
+    TorchConverter._constant_from_tensor = from_buffer
+    try:
+        yield count
+    finally:
+        TorchConverter._constant_from_tensor = original
+
+
+def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = True):
     from coreai_torch import TorchConverter
     from coreai_torch.debugging.debug_info import strip_debug_info
 
@@ -70,7 +107,8 @@ def convert(ep, log: Callable[[str], None] = lambda m: None):
     converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
                                    state_names=list(STATE_ORDER), entrypoint_name=FUNCTION)
     t0 = time.perf_counter()
-    with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
+    with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
+            (constants_from_buffers() if buffers else contextlib.nullcontext()):
         program = converter.to_coreai()
     strip_debug_info(program)  # source locations would embed this machine's paths
     log(f"converted in {time.perf_counter() - t0:.1f} s")
