@@ -22,6 +22,7 @@ from typing import Callable
 from .errors import ClefError, IntegrityError, NumericError, OutputError, ToolchainError, UsageError
 from .recipe import Recipe
 
+PARENT_ENV = "CLEF_EXPORT_PARENT_PID"
 _ERRORS = {cls.__name__: cls for cls in (UsageError, IntegrityError, NumericError, ToolchainError, OutputError, ClefError)}
 
 
@@ -38,7 +39,7 @@ def run_export(source: Path, pins_path: Path, recipe: Recipe, asset_dir: Path,
     scratch = Path(asset_dir).parent / ".work"
     scratch.mkdir(exist_ok=True)
     try:
-        return _run_worker(cmd, {**os.environ, "TMPDIR": str(scratch)}, asset_dir, log)
+        return _run_worker(cmd, {**os.environ, "TMPDIR": str(scratch), PARENT_ENV: str(os.getpid())}, asset_dir, log)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -146,7 +147,26 @@ def _main(job_text: str) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """The worker ends when the command that started it ends, a SIGKILL included (Linux:
+    ``PR_SET_PDEATHSIG``), so a killed build leaves no worker writing into its staged folder (the
+    next build of that bundle sweeps the folder) and its unlinked scratch file goes with it."""
+    parent = os.environ.get(PARENT_ENV)
+    if not sys.platform.startswith("linux") or not parent:
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != parent:  # the parent was gone before the call: end now
+        os._exit(1)
+
+
 if __name__ == "__main__":
+    _die_with_parent()
     status = _main(sys.argv[1])
     sys.stdout.flush()
     sys.stderr.flush()

@@ -527,3 +527,83 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
     build(False, tmp_path / "own.aimodel")
     assert count == [2]
     assert sha256_file(tmp_path / "buf.aimodel" / "main.mlirb") == sha256_file(tmp_path / "own.aimodel" / "main.mlirb")
+
+
+def test_a_killed_build_leaves_no_worker_and_the_rerun_lands_clean(releases, tmp_path):
+    """SIGKILL of the build command while its export worker runs: the worker dies with it (its
+    unlinked scratch file with it), and the next build sweeps the staged folder and lands alone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    exe = Path(sys.executable).parent / "clef-export"
+    out = tmp_path / "out"
+    args = [str(exe), "build", str(_recipe(tmp_path, "fp32")), "--source", str(releases["tiny"]), "--out", str(out),
+            "--no-verify"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
+    deadline = time.monotonic() + 120
+    while worker is None and time.monotonic() < deadline:  # the worker's pid, once it has started
+        for tid in os.listdir(f"/proc/{proc.pid}/task"):
+            kids = Path(f"/proc/{proc.pid}/task/{tid}/children").read_text().split()
+            worker = int(kids[0]) if kids else worker
+        time.sleep(0.05)
+    assert worker is not None, "the export worker never started"
+    time.sleep(3)  # inside its work (imports, weights, trace)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{worker}/status").read_text().find("State:\tZ") >= 0:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the worker outlived the killed build")
+    assert [p.name for p in out.iterdir() if ".tmp-" in p.name], "the killed build's staged folder is there to sweep"
+    res = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".lock")) == ["tiny_release_decode_fp32_pf16"]
+
+
+def test_the_worker_dies_with_its_parent_even_when_silent(tmp_path):
+    """PR_SET_PDEATHSIG: a worker in a long native call writes nothing for minutes, so a broken pipe
+    would not stop it; the kernel does when its parent is killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    (tmp_path / "child.py").write_text(
+        "import os, sys, time\n"
+        "from clef_flash.worker import _die_with_parent\n"
+        "_die_with_parent()\n"
+        f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "time.sleep(120)\n")
+    (tmp_path / "middle.py").write_text(
+        "import os, subprocess, sys, time\n"
+        "env = {**os.environ, 'CLEF_EXPORT_PARENT_PID': str(os.getpid())}\n"
+        f"subprocess.Popen([sys.executable, {str(tmp_path / 'child.py')!r}], env=env)\n"
+        "time.sleep(120)\n")
+    middle = str(tmp_path / "middle.py")
+    proc = subprocess.Popen([sys.executable, middle])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(100):
+        status = Path(f"/proc/{child}/status")
+        if not status.exists() or "State:\tZ" in status.read_text():
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError("the silent worker outlived its killed parent")
