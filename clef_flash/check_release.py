@@ -335,8 +335,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     from .host import HostInputError, answers, check_fits, head_inputs, question_probs
     from .manifest import pads
     from .provenance import tool_versions
-    from .backbone.contract import chunks_for
-    from .backbone.shipped import hidden_rows
+    from .backbone.shipped import hidden_rows, open_backbone
     from .reference import Reference, import_reference
 
     t_start = time.perf_counter()
@@ -367,8 +366,6 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     mean_bar = None
     backbone = None
     if cfg.backbone is not None:
-        from .backbone.shipped import open_backbone
-
         backbone = open_backbone(Path(cfg.backbone), release, config.hidden_size)
         checks.extend(backbone.checks)
         bb_bar = BACKBONE_BARS[backbone.compute]
@@ -401,11 +398,9 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
             entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
             try:
                 bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets)
-                if backbone is not None and chunks_for(entry["tokens"], backbone.manifest.language.prefill_chunk) \
-                        * backbone.manifest.language.prefill_chunk > backbone.max_context:
-                    raise HostInputError(f"{entry['tokens']} tokens in chunks of "
-                                         f"{backbone.manifest.language.prefill_chunk} exceed the backbone's context "
-                                         f"of {backbone.max_context}")
+                too_long = backbone.does_not_fit(entry["tokens"]) if backbone is not None else None
+                if too_long:
+                    raise HostInputError(too_long)
             except HostInputError as exc:
                 entry["does_not_fit"] = str(exc)
                 continue

@@ -305,12 +305,12 @@ def build(
     from .backends import DEFAULT_FORMAT, backend
     from .build import BuildConfig, build as do_build
     from .errors import UsageError
-    from .recipe import format_recipe, load_recipe
+    from .recipe import format_recipe, is_backbone, load_recipe
 
     def go():
         recipe_path = recipe or format_recipe(format or DEFAULT_FORMAT)
         r = load_recipe(recipe_path)
-        if getattr(r, "model", "head") == "backbone":
+        if is_backbone(r):
             from .backbone.build import build_backbone
 
             if aot_compile:
@@ -346,7 +346,9 @@ def build(
     m = result.manifest
     if json_out:
         _emit_json(m.model_dump(mode="json"))
-    if getattr(m, "kind", None) == "decision-backbone":
+    from .backbone.manifest import BackboneManifest
+
+    if isinstance(m, BackboneManifest):
         v = result.record.get("verify") or {}
         err.print(f"[bold green]built[/] {result.bundle}: main.mlirb {m.export.main_mlirb.bytes:,} bytes "
                   f"({m.export.mlirb_over_weights:.4f} x the fp16 weights), total {m.export.seconds['total']:.1f} s"
@@ -413,7 +415,7 @@ def verify(
     if records < 1:
         err.print("[bold red]error:[/] --records must be >= 1")
         raise typer.Exit(2)
-    if _is_backbone(bundle):
+    if _is_backbone_bundle(bundle):
         _verify_backbone(bundle, source, pins, seed, transcript, json_out)
         return
     cfg = VerifyConfig(bundle=bundle, source=source, pins_path=_pins(pins, source), records=records, seed=seed, red=red, recorded=recorded)
@@ -433,9 +435,11 @@ def verify(
         err.print("[bold green]verified[/]: every bar passed")
 
 
-def _is_backbone(bundle: Path) -> bool:
+def _is_backbone_bundle(bundle: Path) -> bool:
+    from .backbone.manifest import KIND
+
     try:
-        return json.loads((Path(bundle) / "metadata.json").read_text(encoding="utf-8")).get("kind") == "decision-backbone"
+        return json.loads((Path(bundle) / "metadata.json").read_text(encoding="utf-8")).get("kind") == KIND
     except (OSError, ValueError, AttributeError):
         return False
 

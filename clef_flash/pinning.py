@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import struct
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -48,15 +47,9 @@ def git_blob_sha1(data: bytes) -> str:
 
 def _safetensors_keys(path: Path) -> set[str]:
     """The tensor names in a safetensors file's header (no tensor data read)."""
-    try:
-        with open(path, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if n > 100 << 20:
-                raise ValueError(f"header of {n} bytes")
-            header = json.loads(fh.read(n))
-    except (OSError, ValueError, struct.error) as exc:
-        raise IntegrityError(f"{path}: not a readable safetensors file ({exc})") from None
-    return {k for k in header if k != "__metadata__"}
+    from .backbone.weights import read_header
+
+    return set(read_header(path)["header"])
 
 
 def lm_head_shard(index: dict[str, Any] | None, where: str) -> str | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path, PurePath
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -87,6 +87,11 @@ class BackboneVerifyPlan(BaseModel):
     # the Linux CPU runtime takes minutes a chunk at real width); descriptor and weights always
     numeric_max_parameters: int = Field(default=2_000_000_000, ge=0)
     long_record: int | None = Field(default=None, ge=1)
+
+
+def is_backbone(recipe: Any) -> bool:
+    """A backbone recipe (``model = "backbone"``), as opposed to a head recipe."""
+    return isinstance(recipe, BackboneRecipe)
 
 
 class BackboneRecipe(BaseModel):

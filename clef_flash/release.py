@@ -20,13 +20,9 @@ from .bundle import atomic_write_bytes, check_output_path, output_lock, staged_d
 from .digest import tree_files
 from .errors import ToolchainError, UsageError
 from .layout import SUMS_FILE
-from .recipe import Recipe
+from .recipe import Recipe, is_backbone
 
 HOST_DIR = "host"  # the lm_head table and its sidecar, in a release with a backbone
-
-
-def _is_backbone(recipe) -> bool:
-    return getattr(recipe, "model", "head") == "backbone"
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,8 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
     names = [bundle_name(r, pins, cfg.name) for r, _ in cfg.recipes]
     if not names or len(set(names)) != len(names):
         raise UsageError(f"release needs one or more recipes with distinct names, got {names}")
-    compilable = any(not _is_backbone(r) and backend(r.format).AOT for r, _ in cfg.recipes)
-    whole = any(_is_backbone(r) for r, _ in cfg.recipes)
+    compilable = any(not is_backbone(r) and backend(r.format).AOT for r, _ in cfg.recipes)
+    whole = any(is_backbone(r) for r, _ in cfg.recipes)
     do_aot = cfg.aot == "on"
     if do_aot and not compilable:
         raise UsageError("--aot on: coreai-build compiles .aimodel assets, and no recipe builds one")
@@ -71,7 +67,7 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
         for recipe, recipe_path in cfg.recipes:
             bcfg = BuildConfig(recipe=recipe, recipe_path=recipe_path, source=cfg.source, pins_path=cfg.pins_path,
                                out=tmp, verify=True, verify_records=cfg.verify_records, name=cfg.name)
-            if _is_backbone(recipe):
+            if is_backbone(recipe):
                 from .backbone.build import build_backbone
 
                 result = build_backbone(bcfg, log=log)
@@ -79,7 +75,7 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
                 result = build(bcfg, log=log)
             if not result.record.get("verify", {}).get("ok"):
                 raise ToolchainError(f"{result.bundle}: the gate did not run; a release needs it")
-            if do_aot and not _is_backbone(recipe) and backend(recipe.format).AOT:
+            if do_aot and not is_backbone(recipe) and backend(recipe.format).AOT:
                 aot_compile(AotConfig(bundle=result.bundle), log=log)
             bundles.append(result.bundle.name)
         table = None

@@ -42,6 +42,15 @@ class ShippedBackbone:
     def max_context(self) -> int:
         return self.manifest.language.max_context
 
+    def does_not_fit(self, tokens: int) -> str | None:
+        """Why a record of ``tokens`` tokens cannot run through this backbone, or None."""
+        from .contract import chunks_for
+
+        chunk = self.manifest.language.prefill_chunk
+        if chunks_for(tokens, chunk) * chunk > self.max_context:
+            return f"{tokens} tokens in chunks of {chunk} exceed the backbone's context of {self.max_context}"
+        return None
+
 
 def open_backbone(bundle: Path, release: Path, hidden_size: int) -> ShippedBackbone:
     """The bundle checked, and checked to be this release's backbone; ``IntegrityError`` naming the
