@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench bench-backbone artifact fetch check backbone clean
+.PHONY: setup build test test-fast verify bench bench-backbone bench-identity artifact fetch check backbone clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -73,7 +73,8 @@ backbone: setup $(TINY_BACKBONES)
 
 # the whole model on the tiny release: the head alone, then tokenizer -> backbone asset -> head asset
 # (fp32 compute on every request; fp16 compute, slow on the Linux CPU runtime, on the first four),
-# the red arm that must fail (exit 4), the backbone's gate, and the whole Mac release in one dist/
+# the red arm that must fail (exit 4), the backbone's gate, the whole Mac release in one dist/, and its
+# publish to a loopback Hub, downloaded back by the commit and checked
 TINY_B32 := $(TINY_OUT)/tiny_release_decode_fp16w32_pf64
 TINY_B16 := $(TINY_OUT)/tiny_release_decode_fp16_pf64
 check: setup $(TINY_BUNDLE)/metadata.json $(TINY_BACKBONES)
@@ -84,6 +85,7 @@ check: setup $(TINY_BUNDLE)/metadata.json $(TINY_BACKBONES)
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B32) --red state > /dev/null 2>&1; test $$? -eq 4
 	$(BIN)/clef-export verify $(TINY_B32) --source $(TINY_REL)
 	$(BIN)/clef-export release $(RECIPE) conversion/backbone_pf64_fp16w32.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist --overwrite
+	$(BIN)/python -m tests.hub_roundtrip $(TINY_OUT)/dist --check $(TINY_OUT)/check-release-fp16w32.json
 
 # build -> verify -> AOT where xcrun coreai-build exists -> dist/ with SHA256SUMS
 artifact: setup $(SRC_DEPS)
@@ -109,6 +111,10 @@ $(SLICE)/pins.json: $(AUTHOR) clef_flash/backbone/synth.py | $(STAMP)
 
 bench-backbone: setup $(TINY_REL)/pins.json $(SLICE)/pins.json
 	$(BIN)/python benchmarks/bench_backbone.py --tiny $(TINY_REL) --slice $(SLICE) --work build
+
+# main.mlirb of the streamed route against the converter's own route (weights copied in memory), at the slice
+bench-identity: setup $(SLICE)/pins.json
+	$(BIN)/python benchmarks/bench_identity.py --slice $(SLICE) --compute fp16 --work build
 
 clean:
 	rm -rf build dist .cache .pytest_cache

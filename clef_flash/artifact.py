@@ -37,7 +37,14 @@ def check_artifact(bundle: Path) -> dict[str, Any]:
     bundle = Path(bundle)
     if not bundle.is_dir():
         raise IntegrityError(f"{bundle}: bundle folder not found")
-    manifest, fmt, _asset, _checks = check_bundle(bundle)
+    if _kind(bundle) == "decision-backbone":  # the second model: its own manifest and file checks
+        from .backbone.gate import check_files
+
+        manifest, _asset, _checks = check_files(bundle)
+        name, fmt_name, asset_sha = manifest.name, Path(manifest.assets["main"]).suffix[1:], manifest.export.main_mlirb.sha256
+    else:
+        manifest, fmt, _asset, _checks = check_bundle(bundle)
+        name, fmt_name, asset_sha = manifest.name, fmt.FORMAT, fmt.asset_digest(manifest)
     record_path = bundle / RECORD_FILE
     try:
         record = json.loads(record_path.read_text())
@@ -55,8 +62,15 @@ def check_artifact(bundle: Path) -> dict[str, Any]:
             raise IntegrityError(f"{bundle / name}: not part of the build (absent from {RECORD_FILE})")
         if actual[name] != expected[name]:
             raise IntegrityError(f"{bundle / name}: sha256 differs from {RECORD_FILE}")
-    return {"bundle": str(bundle), "files": len(actual), "name": manifest.name,
-            "format": fmt.FORMAT, "asset_sha256": fmt.asset_digest(manifest)}
+    return {"bundle": str(bundle), "files": len(actual), "name": name, "format": fmt_name, "asset_sha256": asset_sha}
+
+
+def _kind(bundle: Path) -> str | None:
+    try:
+        kind = json.loads((Path(bundle) / MANIFEST_FILE).read_text(encoding="utf-8")).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None  # check_bundle names what is wrong with it
+    return kind if isinstance(kind, str) else None
 
 
 def inspect_bundle(bundle: Path) -> dict[str, Any]:

@@ -390,29 +390,33 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         entries: list[dict[str, Any]] = []
         seen_by: list[tuple[int, Any, Any, int]] = []  # (entry index, Seen, the questions the host reads, bucket)
         t_ref = time.perf_counter()
-        for req in requests:
-            entry: dict[str, Any] = {"id": req.id, "line": req.line, "questions": len(req.body["questions"])}
-            entries.append(entry)
-            encoded = ref_model.encode(req.body)
-            entry["tokens"] = len(encoded.input_ids)
-            entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
-            try:
-                bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets)
-                too_long = backbone.does_not_fit(entry["tokens"]) if backbone is not None else None
-                if too_long:
-                    raise HostInputError(too_long)
-            except HostInputError as exc:
-                entry["does_not_fit"] = str(exc)
-                continue
-            entry["function"] = names[bucket]
-            response, seen = ref_model.answer(req.body)
-            if tuple(seen.ids.tolist()) != tuple(encoded.input_ids):
-                raise RuntimeError(f"request {req.id}: systemone encoded other tokens than encode_record")
-            entry["reference"] = response
-            questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
-            if cfg.red == "spans":
-                questions = _shift_spans(questions, len(seen.ids))
-            seen_by.append((len(entries) - 1, seen, questions, bucket))
+        from .progress import progress
+
+        with progress("reference: the author's systemone", len(requests), "requests") as tick:
+            for req in requests:
+                tick()
+                entry: dict[str, Any] = {"id": req.id, "line": req.line, "questions": len(req.body["questions"])}
+                entries.append(entry)
+                encoded = ref_model.encode(req.body)
+                entry["tokens"] = len(encoded.input_ids)
+                entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
+                try:
+                    bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets)
+                    too_long = backbone.does_not_fit(entry["tokens"]) if backbone is not None else None
+                    if too_long:
+                        raise HostInputError(too_long)
+                except HostInputError as exc:
+                    entry["does_not_fit"] = str(exc)
+                    continue
+                entry["function"] = names[bucket]
+                response, seen = ref_model.answer(req.body)
+                if tuple(seen.ids.tolist()) != tuple(encoded.input_ids):
+                    raise RuntimeError(f"request {req.id}: systemone encoded other tokens than encode_record")
+                entry["reference"] = response
+                questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
+                if cfg.red == "spans":
+                    questions = _shift_spans(questions, len(seen.ids))
+                seen_by.append((len(entries) - 1, seen, questions, bucket))
         ref_seconds = time.perf_counter() - t_ref
         log(f"reference: {len(seen_by)} requests answered in {ref_seconds:.1f} s; "
             f"{len(entries) - len(seen_by)} do not fit")
@@ -506,6 +510,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         "mean_bar": mean_bar,
         "backbone": None if backbone is None else {
             "bundle": str(backbone.bundle), "compute": backbone.compute,
+            "asset_sha256": backbone.manifest.export.main_mlirb.sha256,
             "hidden_rel_max_abs_d": max(bb_rel, default=0.0), "seconds": bb_seconds},
         "functions_used": {name: used.get(name, 0) for name, _ in manifest.head.buckets},
         "seconds": {"reference": ref_seconds, "backbone": bb_seconds, "shipped": run_seconds, "total": time.perf_counter() - t_start},
@@ -538,6 +543,10 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
 
 async def _run_all(runner, asset: Path, calls: list[tuple[str, Any]]) -> list[np.ndarray]:
     names = sorted({name for name, _ in calls})
+    from .progress import counting, progress
+
     async with runner(asset, names) as call:
-        return await asyncio.gather(*[call(name, hi.arrays) for name, hi in calls])
+        with progress("head asset", len(calls), "calls") as tick:
+            counted = counting(call, tick)
+            return await asyncio.gather(*[counted(name, hi.arrays) for name, hi in calls])
 

@@ -597,6 +597,33 @@ def release(
     err.print(f"[bold green]released[/] {summary['dist']}: {len(summary['files'])} files + SHA256SUMS")
 
 
+@app.command()
+def publish(
+    dist: Annotated[Path, typer.Argument(help="A release's dist/ (from `clef-export release`).")],
+    repo: Annotated[str, typer.Option("--repo", help="The Hub repo, OWNER/NAME (created when missing).")],
+    revision: Annotated[str, typer.Option("--revision", help="The branch to commit to (created when missing).")] = "main",
+    private: Annotated[bool, typer.Option("--private", help="Create the repo private.")] = False,
+    check: Annotated[Optional[Path], typer.Option("--check", help="A check-release transcript of these assets: its summary goes in the card.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check dist/ and print the plan and the card; send nothing.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Upload dist/ in one commit with a model card written from its records; read it back by commit."""
+    from .publish import PublishConfig, publish as do_publish
+
+    cfg = PublishConfig(dist=dist, repo=repo, revision=revision, private=private, check=check, dry_run=dry_run)
+    result = _run(lambda: do_publish(cfg, log=_log))
+    if json_out:
+        _emit_json(result)
+    elif dry_run:
+        for f in result["files"]:
+            err.print(f"  {f['bytes']:>14,}  {escape(f['path'])}")
+        sys.stdout.write(result["card"])
+    if dry_run:
+        err.print(f"[bold green]plan[/] {len(result['files'])} files, {result['bytes']:,} bytes to {repo}@{revision}; nothing sent")
+    else:
+        err.print(f"[bold green]published[/] {repo} commit {result['commit']}")
+
+
 @app.command("lm-head-table")
 def lm_head_table_cmd(
     source: SourceOpt = None,

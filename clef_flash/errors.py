@@ -39,6 +39,12 @@ class ToolchainError(ClefError):
     exit_code = 5
 
 
+class RemoteError(ClefError):
+    """The Hub refused a request or the connection failed mid-way; nothing was committed."""
+
+    exit_code = 6
+
+
 def first_validation_error(exc) -> str:
     """A pydantic ``ValidationError`` as one line: ``at <field path>: <message>``."""
     first = exc.errors()[0]

@@ -178,10 +178,14 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
                     if cfg.red:
                         jobs.extend((name, r_i, arm, (rec, hi)) for arm in RED_ARMS)
         t0 = time.perf_counter()
-        outs = await asyncio.gather(*[
-            call(name, hi.arrays if arm in ("main", "rerun") else red_arrays(hi.arrays, arm))
-            for name, _, arm, (_, hi) in jobs
-        ])
+        from .progress import counting, progress
+
+        with progress(f"gate: {', '.join(n for n, _ in funcs)}", len(jobs), "asset calls") as tick:
+            counted = counting(call, tick)
+            outs = await asyncio.gather(*[
+                counted(name, hi.arrays if arm in ("main", "rerun") else red_arrays(hi.arrays, arm))
+                for name, _, arm, (_, hi) in jobs
+            ])
         log(f"{len(jobs)} asset calls in {time.perf_counter() - t0:.1f} s")
 
     results: list[FunctionResult] = []

@@ -9,3 +9,5 @@ from __future__ import annotations
 MANIFEST_FILE = "metadata.json"
 RECORD_FILE = "build-record.json"
 SUMS_FILE = "SHA256SUMS"
+# the licence and notice a release carries: pinned when present, shipped at the top of a release's dist/
+LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "NOTICE.txt", "NOTICE.md")

@@ -184,9 +184,13 @@ def _write_table(shard_path: Path, dest: Path, rows: int, hidden: int, dtype: st
     second path (a memmap of ``dest`` against the shard's rows); returns the rows checked."""
     row_bytes = hidden * _ITEMSIZE[dtype]
     # plain reads of one block at a time: an mmap of the shard would count all 2 GB as resident
-    with open(shard_path, "rb", buffering=0) as src, open(dest, "wb") as fh:
+    from .progress import progress
+
+    with open(shard_path, "rb", buffering=0) as src, open(dest, "wb") as fh, \
+            progress(f"{TENSOR} -> fp16", rows, "rows") as tick:
         for r0 in range(0, rows, block_rows):
             n = min(block_rows, rows - r0)
+            tick(n)
             raw = bytearray(os.pread(src.fileno(), n * row_bytes, base + r0 * row_bytes))
             if len(raw) != n * row_bytes:
                 raise IntegrityError(f"{shard_path}: truncated at row {r0}")

@@ -28,6 +28,7 @@ from .bundle import atomic_write_json, check_output_path
 from .digest import sha256_bytes, sha256_file
 from .errors import IntegrityError, UsageError
 from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR as LM_HEAD
+from .layout import LICENSE_FILES
 from .pins import CODE_FILE, HEAD_FILES, HEX40, Pins
 
 PROVENANCE_FILE = "CLEF_FINETUNE.json"
@@ -132,7 +133,7 @@ def pin_local(folder: Path, out: Path | None = None, *, name: str | None = None,
     else:
         release["lm_head_file"] = None  # tied embeddings or no checkpoint: lm-head-table will say so
     # the backbone: its config, every shard (a backbone build reads them all) and the tokenizer files
-    for f in (BACKBONE_CONFIG, *TOKENIZER_FILES):
+    for f in (BACKBONE_CONFIG, *TOKENIZER_FILES, *LICENSE_FILES):
         if (folder / f).is_file():
             files[f] = sha256_file(folder / f)
     shards = sorted(set(index["weight_map"].values())) if isinstance(index, dict) and isinstance(index.get("weight_map"), dict) \
@@ -164,7 +165,8 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
     out = Path(out)
     check_output_path(out, overwrite)
     where = f"{hf_id}@{revision[:12]}"
-    infos = _paths_info(hf_id, revision, [*HEAD_FILES, INDEX_FILE, SINGLE_FILE, BACKBONE_CONFIG, *TOKENIZER_FILES], where)
+    infos = _paths_info(hf_id, revision, [*HEAD_FILES, INDEX_FILE, SINGLE_FILE, BACKBONE_CONFIG, *TOKENIZER_FILES, *LICENSE_FILES],
+                        where)
     files: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="clef-pin-") as cache:
         def small(path: str) -> bytes:
@@ -201,7 +203,7 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
             if shard not in infos:
                 raise IntegrityError(f"{where}/{shard}: named for {LM_HEAD} but not in the repo")
             files[shard] = _lfs_sha256(infos[shard]) or sha256_bytes(small(shard))
-        for f in (BACKBONE_CONFIG, *TOKENIZER_FILES):  # small git files: their blob sha1 checked
+        for f in (BACKBONE_CONFIG, *TOKENIZER_FILES, *LICENSE_FILES):  # small git files: blob sha1 checked
             if f in infos:
                 files[f] = _lfs_sha256(infos[f]) or sha256_bytes(small(f))
     log(f"pinned {len(files)} files of {where}")

@@ -18,7 +18,7 @@ from typing import Any
 from .backends import backend
 from .bundle import atomic_write_bytes, check_output_path, output_lock, staged_dir
 from .digest import tree_files
-from .errors import ToolchainError, UsageError
+from .errors import IntegrityError, ToolchainError, UsageError
 from .layout import SUMS_FILE
 from .recipe import Recipe, is_backbone
 
@@ -84,9 +84,34 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
 
             log("writing the lm_head table the host reads")
             table = lm_head_table(cfg.source, pins, cfg.pins_path, tmp / HOST_DIR, log=log)
+        for lock in tmp.glob(".*.lock"):  # the per-bundle build locks: not part of what ships
+            lock.unlink()
+        licence = _copy_licence(cfg, pins, tmp)
+        if licence:
+            log(f"the release's {', '.join(licence)} shipped beside the bundles")
         files = tree_files(tmp)
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(files.items()))
         atomic_write_bytes(tmp / SUMS_FILE, lines.encode())
     log(f"release in {dist}: {len(files)} files, {SUMS_FILE}")
     return {"dist": str(dist), "files": sorted(files), "aot": do_aot, "bundles": bundles,
-            "lm_head_table": None if table is None else f"{HOST_DIR}/{Path(table['table']).name}"}
+            "lm_head_table": None if table is None else f"{HOST_DIR}/{Path(table['table']).name}",
+            "licence": licence}
+
+
+def _copy_licence(cfg: ReleaseConfig, pins, tmp: Path) -> list[str]:
+    """The release's pinned LICENSE / NOTICE files, verified, copied to the top of ``dist/``."""
+    import shutil
+
+    from .layout import LICENSE_FILES
+    from .source import require_verified, resolve_source
+
+    names = tuple(f for f in LICENSE_FILES if f in pins.files)
+    if not names:
+        return []
+    src = resolve_source(cfg.source, pins)
+    require_verified(src, pins, names)
+    for name in names:
+        if not (src / name).is_file():
+            raise IntegrityError(f"{src / name}: pinned but missing; run `clef-export fetch` to download it")
+        shutil.copyfile(src / name, tmp / name)
+    return list(names)

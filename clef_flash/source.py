@@ -120,7 +120,10 @@ def fetch(
     rev = _check_revision(pins, revision, allow_unpinned)
     hf_logging.set_verbosity_error()  # our one-line errors say what failed; no retry chatter
     folder: Path | None = None
-    names = list(HEAD_FILES) + (sorted(set(pins.files) - set(HEAD_FILES)) if backbone else [])
+    from .layout import LICENSE_FILES
+
+    licence = [f for f in LICENSE_FILES if f in pins.files]  # small; a release's dist/ ships them
+    names = list(HEAD_FILES) + (sorted(set(pins.files) - set(HEAD_FILES)) if backbone else licence)
     for name in names:
         where = f"{pins.hf_id}@{rev[:12]}/{name}"
         if local_dir is not None:

@@ -243,11 +243,21 @@ def test_tampered_asset_is_refused(built, releases, tmp_path):
 
     copy = tmp_path / built["tiny32"].name
     shutil.copytree(built["tiny32"], copy)
+    res = runner.invoke(app, ["verify-artifact", str(copy), "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["files"] >= 5, res.output
+    tok = next((copy / "tokenizer").iterdir())
+    good = tok.read_bytes()
+    tok.write_bytes(good + b" ")
+    res = runner.invoke(app, ["verify-artifact", str(copy)])
+    assert res.exit_code == 3 and tok.name in res.output, res.output
+    tok.write_bytes(good)
     mlirb = next(copy.glob("*.aimodel")) / "main.mlirb"
     data = bytearray(mlirb.read_bytes())
     data[-100] ^= 1
     mlirb.write_bytes(bytes(data))
     res = runner.invoke(app, ["verify", str(copy), "--source", str(releases["tiny"])])
+    assert res.exit_code == 3 and "main.mlirb" in res.output
+    res = runner.invoke(app, ["verify-artifact", str(copy)])
     assert res.exit_code == 3 and "main.mlirb" in res.output
 
 
@@ -367,29 +377,24 @@ def test_check_release_red_state_and_a_foreign_backbone_fail(whole_model, releas
     assert res.exit_code == 3 and "config.json" in res.output and "another release" in res.output
 
 
-def test_release_with_a_backbone_is_the_whole_mac_release(releases, tmp_path, monkeypatch):
-    """head + backbone (each gated) + the lm_head table in one dist/ whose SHA256SUMS check."""
+def test_release_with_a_backbone_is_the_whole_mac_release(whole_dist):
+    """head + backbone (each gated) + the lm_head table + the release's LICENSE and NOTICE in one
+    dist/ whose SHA256SUMS check; no build lock or other stray file ships."""
     import subprocess
-    import sys
 
-    from .conftest import TINY_RECIPE
-
-    monkeypatch.setenv("PATH", "/usr/bin:/bin:" + str(Path(sys.executable).parent))  # no xcrun: AOT skipped
-    rel, dist = releases["tiny"], tmp_path / "dist"
-    res = runner.invoke(app, ["release", str(TINY_RECIPE), str(_recipe(tmp_path, "fp32")), "--source", str(rel),
-                              "--pins", str(rel / "pins.json"), "--dist", str(dist), "--json"])
-    assert res.exit_code == 0, res.output[-3000:]
-    s = json.loads(res.stdout)
+    dist, s = whole_dist["dist"], whole_dist["summary"]
     head, backbone = s["bundles"]
-    assert backbone == "tiny_release_decode_fp32_pf16" and s["lm_head_table"] == "host/lm_head_fp16.bin"
+    assert backbone == "licensed_release_decode_fp32_pf64" and s["lm_head_table"] == "host/lm_head_fp16.bin"
+    assert s["licence"] == ["LICENSE", "NOTICE"]
+    assert (dist / "NOTICE").read_bytes() == (whole_dist["release"] / "NOTICE").read_bytes()
     names = [line.split("  ", 1)[1] for line in (dist / "SHA256SUMS").read_text().splitlines()]
     for want in (f"{backbone}/metadata.json", f"{backbone}/{backbone}.aimodel/main.mlirb", f"{backbone}/tokenizer/tokenizer.json",
-                 f"{head}/metadata.json", "host/lm_head_fp16.bin", "host/lm_head_fp16.json"):
+                 f"{head}/metadata.json", "host/lm_head_fp16.bin", "host/lm_head_fp16.json", "LICENSE", "NOTICE"):
         assert want in names, want
+    assert not [n for n in names if any(part.startswith(".") for part in n.split("/"))], names
+    assert sorted(p.relative_to(dist).as_posix() for p in dist.rglob("*") if p.is_file()) == sorted([*names, "SHA256SUMS"])
     assert json.loads((dist / backbone / "build-record.json").read_text())["verify"]["ok"] is True
     assert subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=dist).returncode == 0
-    (dist / "host" / "lm_head_fp16.bin").write_bytes(b"\0")
-    assert subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=dist, capture_output=True).returncode != 0
 
 
 def test_hub_pins_fetch_the_backbone_and_build_from_the_cache(releases, tmp_path):

@@ -61,6 +61,9 @@ def test_the_shipped_head_answers_the_request_set_like_the_author(tmp_path, tiny
     s = _summary(r)
     t = json.loads(out.read_text())
     n_requests = len(load_requests(default_requests()))
+    # progress on stderr as plain lines (not a terminal here), stdout only the JSON
+    assert f"reference: the author's systemone (requests): {n_requests}/{n_requests} in" in r.stderr, r.stderr[-2000:]
+    assert f"head asset (calls): {s['checked']}/{s['checked']} in" in r.stderr
     assert s["requests"] == n_requests and s["checked"] >= 24
     assert s["checked"] + s["does_not_fit"] == n_requests
     assert s["disagreements"] == 0 and s["max_abs_dp"] <= BARS["float32"][0]

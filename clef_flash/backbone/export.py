@@ -143,7 +143,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
         ep = trace(module, cfg, ch, state_dtype, log)
         t_trace = time.perf_counter() - t0
         t0 = time.perf_counter()
-        program = convert(ep, log)
+        program = convert(ep, log, buffers=job.get("buffers", True))  # False: the converter's own copies (bench)
         t_convert = time.perf_counter() - t0
     except (ValueError, RuntimeError, TypeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""

@@ -235,15 +235,21 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         ref = reference_model(source)
         state_dtype = "fp32" if compute == "fp32" else "fp16"
 
+        plan = [(name, arm) for name in records
+                for arm in ["main"] + (list(RED_ARMS) if cfg.red and name == "three-chunks" else [])]
+
         async def run_all():
+            from ..progress import counting, progress
+
             out = []
+            calls = sum(host.chunks_for(len(records[name]), chunk) for name, _ in plan)
             async with runner(asset, text.state_shapes(context), state_dtype) as (call, new_states):
-                for name, ids in records.items():
-                    arms = ["main"] + (list(RED_ARMS) if cfg.red and name == "three-chunks" else [])
-                    for arm in arms:
+                with progress("gate: main, chunk by chunk", calls, "calls") as tick:
+                    counted = counting(call, tick)
+                    for name, arm in plan:
                         t0 = time.perf_counter()
-                        got = await host.run_record(call, new_states, ids, chunk, context, text.pad_token_id,
-                                                    None if arm == "main" else arm)
+                        got = await host.run_record(counted, new_states, records[name], chunk, context,
+                                                    text.pad_token_id, None if arm == "main" else arm)
                         out.append((name, arm, got, time.perf_counter() - t0))
             return out
 

@@ -94,11 +94,17 @@ def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | N
     lang = m.language
 
     async def run_all() -> list[np.ndarray]:
+        from ..progress import counting, progress
+        from .contract import chunks_for
+
         out = []
+        calls = sum(chunks_for(len(ids), lang.prefill_chunk) for ids in records)
         async with runner(bb.asset, shapes, dtype) as (call, new_states):
-            for ids in records:
-                out.append(await run_record(call, new_states, ids, lang.prefill_chunk, lang.max_context,
-                                            lang.pad_token_id, RED.get(red) if red else None))
+            with progress(f"backbone: {len(records)} records", calls, "calls") as tick:
+                counted = counting(call, tick)
+                for ids in records:
+                    out.append(await run_record(counted, new_states, ids, lang.prefill_chunk, lang.max_context,
+                                                lang.pad_token_id, RED.get(red) if red else None))
         return out
 
     with warnings.catch_warnings():

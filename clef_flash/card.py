@@ -1,0 +1,260 @@
+"""The model card of a release's ``dist/``, written from its records alone.
+
+dist/ (SHA256SUMS, each bundle's metadata.json and build-record.json, host/lm_head_fp16.json, the
+release's LICENSE / NOTICE) [+ a check-release transcript] -> ``README.md``: Hub front matter
+(licence, base model, tags), what the release is, its files, how it was built, the proof, how a
+host calls each bundle, the licence. Nothing in it is typed by hand: every figure comes from a
+record, so a card can be checked against them (``tests/test_publish.py`` does).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import IntegrityError
+from .layout import SUMS_FILE
+
+HEAD_KIND, BACKBONE_KIND = "decision-head", "decision-backbone"
+TABLE_SIDECAR = "host/lm_head_fp16.json"
+
+
+def fig(x: Any, digits: int = 4) -> str:
+    """A measured figure as the card prints it: ``digits`` significant digits (the test reads them back)."""
+    return "n/a" if x is None else f"{x:.{digits}g}" if isinstance(x, float) else str(x)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    name: str
+    kind: str
+    manifest: dict[str, Any]
+    record: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Dist:
+    folder: Path
+    sums: dict[str, str]  # file -> sha256, as SHA256SUMS lists them
+    sizes: dict[str, int]
+    bundles: tuple[Bundle, ...]
+    licence: tuple[str, ...]  # LICENSE / NOTICE files at the top of dist/
+    table: dict[str, Any] | None  # host/lm_head_fp16.json
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise IntegrityError(f"{path}: not JSON ({exc})") from None
+
+
+def read_sums(dist: Path) -> dict[str, str]:
+    """SHA256SUMS as file -> sha256; a malformed line is an ``IntegrityError`` naming it."""
+    path = Path(dist) / SUMS_FILE
+    if not path.is_file():
+        raise IntegrityError(f"{path}: missing; a release's dist/ has one (`clef-export release` writes it)")
+    out: dict[str, str] = {}
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64 or not name or name.startswith("/") or ".." in name.split("/"):
+            raise IntegrityError(f"{path}:{i}: not a `sha256  file` line")
+        out[name] = digest
+    return out
+
+
+def read_dist(dist: Path) -> Dist:
+    """The records of a dist/ (SHA256SUMS is read, not checked: ``publish`` checks it first)."""
+    from .layout import LICENSE_FILES
+
+    dist = Path(dist)
+    sums = read_sums(dist)
+    bundles = []
+    for name in sorted({n.split("/", 1)[0] for n in sums if n.endswith("/metadata.json") and n.count("/") == 1}):
+        manifest = _json(dist / name / "metadata.json")
+        if manifest.get("kind") not in (HEAD_KIND, BACKBONE_KIND):
+            continue
+        bundles.append(Bundle(name, manifest["kind"], manifest, _json(dist / name / "build-record.json")))
+    if not bundles:
+        raise IntegrityError(f"{dist}: no bundle (a folder with metadata.json) is listed in {SUMS_FILE}")
+    table = _json(dist / TABLE_SIDECAR) if TABLE_SIDECAR in sums else None
+    return Dist(dist, sums, {n: (dist / n).stat().st_size for n in sums}, tuple(bundles),
+                tuple(f for f in LICENSE_FILES if f in sums), table)
+
+
+def spdx(dist: Dist) -> str:
+    """The licence id for the front matter, from the release's own LICENSE text."""
+    texts = [(dist.folder / f).read_text(encoding="utf-8", errors="replace") for f in dist.licence if f.startswith("LICENSE")]
+    if not texts:
+        return "unknown"
+    text = " ".join(texts[0].split())
+    if "Apache License" in text and "Version 2.0" in text:
+        return "apache-2.0"
+    if "MIT License" in text or "Permission is hereby granted, free of charge" in text:
+        return "mit"
+    return "other"
+
+
+def _source(b: Bundle) -> dict[str, Any]:
+    return b.record.get("source", {})
+
+
+def _release_facts(b: Bundle) -> dict[str, Any]:
+    return _source(b).get("release") or {}
+
+
+def check_summary(transcript: dict[str, Any]) -> dict[str, Any]:
+    return transcript.get("summary", {})
+
+
+def model_card(dist: Dist, transcript: dict[str, Any] | None = None) -> str:
+    """The card's Markdown, front matter first."""
+    from huggingface_hub import ModelCardData
+
+    first = dist.bundles[0]
+    src = _source(first)
+    facts = _release_facts(first)
+    finetune = facts.get("clef_finetune") or {}
+    synthetic = any(_source(b).get("synthetic") or _release_facts(b).get("tiny_random") for b in dist.bundles)
+    base = finetune.get("base_model") or (src.get("hf_id") if src.get("origin") == "hub" else None)
+    kinds = sorted({b.kind for b in dist.bundles})
+    formats = sorted({b.record.get("parameters", {}).get("recipe", {}).get("format") for b in dist.bundles} - {None})
+    tags = ["clef", "core-ai", *formats, *kinds] + (["synthetic"] if synthetic else [])
+    data = ModelCardData(license=spdx(dist), base_model=base, tags=tags, library_name="clef-export")
+    release = src.get("hf_id", "?")
+    out = ["---", data.to_yaml(), "---", ""]
+    out += [f"# {release}: Core AI assets", ""]
+    what = "a fine-tune's complete Mac release: " if BACKBONE_KIND in kinds else ""
+    out += [f"Apple Core AI assets of the Clef decision model `{release}`, {what}built and proven on Linux by "
+            "clef-export. " + ("**Synthetic: random weights, for testing the toolchain; it decides nothing.**"
+                               if synthetic else ""), ""]
+    for b in dist.bundles:
+        role = ("the joint schema head: hidden rows -> one logit per allowed option of each question"
+                if b.kind == HEAD_KIND else "the Qwen3.5 text decoder with states: token ids -> the final-norm hidden rows")
+        out.append(f"- `{b.name}/` ({b.kind}): {role}")
+    if dist.table is not None:
+        out.append(f"- `host/lm_head_fp16.bin`: the lm_head rows in fp16 {dist.table['shape']}, the lexical table the host reads")
+    out += ["", "## Files", "", "| file | bytes | sha256 |", "|---|---|---|"]
+    out += [f"| `{n}` | {dist.sizes[n]} | `{d}` |" for n, d in sorted(dist.sums.items())]
+    out += ["", f"`{SUMS_FILE}` lists them; `sha256sum -c {SUMS_FILE}` checks a download.", ""]
+    out += _built(dist)
+    out += _proof(dist, transcript)
+    out += _host(dist)
+    out += _licence(dist)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def _built(dist: Dist) -> list[str]:
+    first = dist.bundles[0]
+    src = _source(first)
+    out = ["## How it was built", ""]
+    if src.get("origin") == "hub" or src.get("revision"):
+        out.append(f"From `{src.get('hf_id')}` at commit `{src.get('revision')}` on the Hub.")
+    else:
+        folder = _release_facts(first).get("folder_name")
+        out.append(f"From a local release folder (`{folder}`), pinned by sha256 as `{src.get('hf_id')}`.")
+    finetune = _release_facts(first).get("clef_finetune") or {}
+    if finetune:
+        out += ["", "What the release's `CLEF_FINETUNE.json` says:", "", "| key | value |", "|---|---|"]
+        out += [f"| {k} | `{v}` |" for k, v in finetune.items()]
+    inputs: dict[str, tuple[str, list[str]]] = {}
+    for b in dist.bundles:
+        for f, v in sorted(_source(b).get("files", {}).items()):
+            digest = v["sha256"] if isinstance(v, dict) else v
+            inputs.setdefault(f, (digest, []))[1].append(b.name)
+    out += ["", "Every input, checked against its pin before use:", "", "| input | sha256 | pinned for |", "|---|---|---|"]
+    out += [f"| `{f}` | `{d}` | {', '.join(names)} |" for f, (d, names) in sorted(inputs.items())]
+    out += ["", "| bundle | recipe | command | parameters |", "|---|---|---|---|"]
+    for b in dist.bundles:
+        p = b.record.get("parameters", {})
+        r = p.get("recipe", {})
+        keys = ("weights", "compute", "chunk", "context", "buckets", "q_pad", "o_pad", "format")
+        params = ", ".join(f"{k} {r[k]}" for k in keys if k in r)
+        out.append(f"| `{b.name}` | `{p.get('recipe_file')}` | {b.record.get('tool', {}).get('command')} | {params} |")
+    envs = [b.record.get("environment", {}) for b in dist.bundles]
+    tools = sorted({k for e in envs for k in e})
+    out += ["", "| tool | " + " | ".join(f"`{b.name}`" for b in dist.bundles) + " |",
+            "|---|" + "---|" * len(dist.bundles)]
+    out += [f"| {t} | " + " | ".join(str(e.get(t, "")) for e in envs) + " |" for t in tools]
+    return out + [""]
+
+
+def _proof(dist: Dist, transcript: dict[str, Any] | None) -> list[str]:
+    out = ["## Proof", "", "Each bundle's gate ran on the saved asset through the Core AI runtime (Linux CPU) at build time.", ""]
+    for b in dist.bundles:
+        v = b.record.get("verify", {})
+        bars = v.get("bars", {})
+        if b.kind == HEAD_KIND:
+            out += [f"`{b.name}` against the author's `JointSchemaHead` (fp32):", "",
+                    "| function | records | max \\|d p\\| | bar | max \\|d logit\\| | bar | argmax |", "|---|---|---|---|---|---|---|"]
+            for fn in v.get("max_abs_dp", {}):
+                out.append(f"| {fn} | {v['records_per_function'][fn]} | {fig(v['max_abs_dp'][fn])} | {fig(bars.get('max_abs_dp'))} | "
+                           f"{fig(v['max_abs_dlogit'][fn])} | {fig(bars.get('max_abs_dlogit'))} | {v['argmax'][fn]} |")
+        else:
+            out += [f"`{b.name}` (compute {v.get('compute')}) chunk by chunk with its states, against transformers' "
+                    "text model of the release (fp32, one full forward per record):", "",
+                    "| record | tokens | calls | relative max \\|d\\| | bar | min row cosine | bar |", "|---|---|---|---|---|---|---|"]
+            for name, r in v.get("records", {}).items():
+                out.append(f"| {name} | {r['tokens']} | {r['calls']} | {fig(r['rel_max_abs_d'])} | {fig(bars.get('rel_max_abs_d'))} | "
+                           f"{fig(r['min_row_cosine'], 9)} | {fig(bars.get('min_row_cosine'), 9)} |")
+            if v.get("red"):
+                out += ["", "Red arms (the gate must see them): " + ", ".join(
+                    f"{k} {fig(x)}" for k, x in v["red"].items()) + " relative max |d|, each far over the bar."]
+        out += ["", "Checks: " + ", ".join(f"{k} {'✓' if ok else '✗'}" for k, ok in v.get("checks", {}).items()), ""]
+    if transcript is not None:
+        s = check_summary(transcript)
+        out += ["### The whole model, request by request (`check-release`)", "",
+                "The release's tokenizer -> the backbone asset -> the head asset -> answers, against the author's "
+                "`systemone()` on the project's requests:" if s.get("backbone") else
+                "Hidden rows from transformers -> the head asset -> answers, against the author's `systemone()`:", "",
+                "| figure | value |", "|---|---|"]
+        rows = [("requests checked", s.get("checked")), ("requests that do not fit", s.get("does_not_fit")),
+                ("questions", s.get("questions")), ("argmax equal", s.get("argmax_equal")),
+                ("answers equal", s.get("answers_equal")), ("near ties", s.get("near_ties")),
+                ("max |d p|", s.get("max_abs_dp")), ("bar (max)", s.get("bar")),
+                ("mean |d p|", s.get("mean_abs_dp")), ("bar (mean)", s.get("mean_bar"))]
+        if s.get("backbone"):
+            rows += [("backbone compute", s["backbone"].get("compute")),
+                     ("backbone hidden rows, relative max |d|", s["backbone"].get("hidden_rel_max_abs_d"))]
+        out += [f"| {k.replace('|', chr(92) + '|')} | {fig(x)} |" for k, x in rows]
+        out += ["", f"Bar: {transcript.get('bar', {}).get('reason', '')}", ""]
+    return out
+
+
+def _host(dist: Dist) -> list[str]:
+    out = ["## How a host calls each bundle", ""]
+    for b in dist.bundles:
+        m = b.manifest
+        if b.kind == HEAD_KIND:
+            h = m["head"]
+            out += [f"`{b.name}`: functions {', '.join(h['functions'])}; inputs in this order:", "",
+                    "| input | shape, dtype |", "|---|---|"]
+            out += [f"| {n} | {h['inputs'][n]} |" for n in h["input_order"]]
+            out += ["", f"Output: {', '.join(f'{k} {v}' for k, v in h['outputs'].items())}. Padding: {h['host_pad_rule']}. "
+                    f"Softmax: {h['softmax']}. Lexical rows: {h['lexical']}.", ""]
+        else:
+            i, lang = m["interface"], m["language"]
+            out += [f"`{b.name}`: function `{i['function']}`; prefill chunk {lang['prefill_chunk']}, context "
+                    f"{lang['max_context']}, pad token {lang['pad_token_id']}, text only.", "",
+                    "| | name | shape | dtype |", "|---|---|---|---|"]
+            out += [f"| input | {n} | {i['inputs'][n]['shape']} | {i['inputs'][n]['dtype']} |" for n in i["input_order"]]
+            out += [f"| state | {n} | {i['states'][n]['shape']} | {i['states'][n]['dtype']} |" for n in i["state_order"]]
+            out += [f"| output | {n} | {o['shape']} | {o['dtype']} |" for n, o in i["outputs"].items()]
+            out += ["", f"Host loop: {i['host_loop']}.", ""]
+    return out
+
+
+def _licence(dist: Dist) -> list[str]:
+    out = ["## Licence", ""]
+    if not dist.licence:
+        return out + ["The release carries no LICENSE or NOTICE file; ask its author under which terms it may be used."]
+    out.append("The release's own " + " and ".join(f"`{f}`" for f in dist.licence) + " ship beside the bundles.")
+    for f in dist.licence:
+        if f.startswith("NOTICE"):
+            text = (dist.folder / f).read_text(encoding="utf-8", errors="replace").rstrip()
+            out += ["", f"{f}:", "", "```", text.replace("```", "'''"), "```"]
+    return out

@@ -1,0 +1,77 @@
+"""Progress of long work on stderr: a rich bar on a terminal, plain lines otherwise, never stdout.
+
+``progress(desc, total, unit)`` yields ``tick(n=1)``. On a terminal (stderr is a tty) it draws a
+rich bar that disappears when done, leaving one summary line; elsewhere (CI logs, pipes, tests) it
+writes a plain line every ``PLAIN_EVERY_S`` seconds and one when done, so a log shows that the work
+moves without a line per step. Nothing is written to stdout: ``--json`` stays clean.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Awaitable, Callable, Iterator, TypeVar
+
+T = TypeVar("T")
+
+PLAIN_EVERY_S = 10.0
+
+
+def _terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def progress(desc: str, total: int, unit: str = "", *, terminal: bool | None = None, file=None) -> Iterator[Callable[[int], None]]:
+    """A counter for ``total`` steps of ``desc``; thread-safe ``tick``."""
+    out = file if file is not None else sys.stderr
+    lock = threading.Lock()
+    done = [0]
+    t0 = time.perf_counter()
+    label = f"{desc} ({unit})" if unit else desc
+    if terminal if terminal is not None else _terminal():
+        from rich.console import Console
+        from rich.markup import escape
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        console = Console(file=out, force_terminal=True)
+        with Progress(TextColumn("[dim]·[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task(escape(label), total=total)
+
+            def tick(n: int = 1) -> None:
+                with lock:
+                    done[0] += n
+                bar.advance(task, n)
+
+            yield tick
+        console.print(f"[dim]·[/] {escape(label)}: {done[0]}/{total} in {time.perf_counter() - t0:.1f} s", highlight=False)
+        return
+    last = [t0]
+
+    def tick(n: int = 1) -> None:
+        with lock:
+            done[0] += n
+            now = time.perf_counter()
+            if now - last[0] >= PLAIN_EVERY_S and done[0] < total:
+                last[0] = now
+                print(f"· {label}: {done[0]}/{total} ({now - t0:.0f} s)", file=out, flush=True)
+
+    yield tick
+    print(f"· {label}: {done[0]}/{total} in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+
+
+def counting(call: Callable[..., Awaitable[T]], tick: Callable[[int], None]) -> Callable[..., Awaitable[T]]:
+    """The async ``call`` wrapped to ``tick()`` once each call completes (asset calls, chunk calls)."""
+
+    async def wrapped(*args, **kwargs) -> T:
+        out = await call(*args, **kwargs)
+        tick(1)
+        return out
+
+    return wrapped

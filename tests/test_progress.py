@@ -1,0 +1,41 @@
+"""Progress: a rich bar on a terminal, plain lines elsewhere, always on stderr (never stdout)."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+from clef_flash import progress as progress_mod
+from clef_flash.progress import progress
+
+
+def test_plain_lines_when_not_a_terminal(monkeypatch):
+    out = io.StringIO()
+    monkeypatch.setattr(progress_mod, "PLAIN_EVERY_S", 0.0)
+    with progress("gate: t512", 4, "calls", terminal=False, file=out) as tick:
+        for _ in range(4):
+            tick()
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["· gate: t512 (calls): 1/4 (0 s)", "· gate: t512 (calls): 2/4 (0 s)", "· gate: t512 (calls): 3/4 (0 s)"]
+    assert lines[3].startswith("· gate: t512 (calls): 4/4 in ") and len(lines) == 4
+    assert "\x1b[" not in out.getvalue()
+
+
+def test_plain_mode_is_quiet_between_intervals_and_counts_across_threads():
+    out = io.StringIO()
+    with progress("rows", 4000, terminal=False, file=out) as tick:
+        threads = [threading.Thread(target=lambda: [tick() for _ in range(1000)]) for _ in range(4)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+    assert out.getvalue().splitlines() == [out.getvalue().splitlines()[-1]]
+    assert out.getvalue().startswith("· rows: 4000/4000 in ")
+
+
+def test_a_terminal_gets_a_rich_bar_and_one_summary_line():
+    out = io.StringIO()
+    with progress("backbone: 3 records", 6, "calls", terminal=True, file=out) as tick:
+        for _ in range(6):
+            tick()
+    text = out.getvalue()
+    assert "\x1b[" in text, "a terminal bar draws with escape codes"
+    assert "backbone: 3 records (calls): 6/6 in" in text
