@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import IntegrityError
-from .layout import SUMS_FILE
+from .layout import LICENSE_FILES, SUMS_FILE
 
 HEAD_KIND, BACKBONE_KIND = "decision-head", "decision-backbone"
 TABLE_SIDECAR = "host/lm_head_fp16.json"
@@ -69,8 +69,6 @@ def read_sums(dist: Path) -> dict[str, str]:
 
 def read_dist(dist: Path) -> Dist:
     """The records of a dist/ (SHA256SUMS is read, not checked: ``publish`` checks it first)."""
-    from .layout import LICENSE_FILES
-
     dist = Path(dist)
     sums = read_sums(dist)
     bundles = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -41,8 +42,6 @@ class PublishConfig:
 def check_dist(dist: Path) -> Dist:
     """``dist/`` read, every file checked against SHA256SUMS; ``IntegrityError`` naming the first
     file that differs, is missing, or is there without being listed."""
-    import re
-
     dist = Path(dist)
     if not dist.is_dir():
         raise UsageError(f"{dist}: not a folder (a release's dist/, from `clef-export release`)")
@@ -93,8 +92,6 @@ def load_check(path: Path, dist: Dist) -> dict[str, Any]:
 
 def plan(cfg: PublishConfig) -> tuple[Dist, str, dict[str, Any]]:
     """What would be sent: the checked dist, the card, and the plan as JSON."""
-    import re
-
     if not re.match(REPO_RE, cfg.repo or ""):
         raise UsageError(f"--repo {cfg.repo!r}: expected OWNER/NAME")
     d = check_dist(cfg.dist)

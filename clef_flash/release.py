@@ -19,7 +19,7 @@ from .backends import backend
 from .bundle import atomic_write_bytes, check_output_path, output_lock, staged_dir
 from .digest import tree_files
 from .errors import IntegrityError, ToolchainError, UsageError
-from .layout import SUMS_FILE
+from .layout import LICENSE_FILES, SUMS_FILE
 from .recipe import Recipe, is_backbone
 
 HOST_DIR = "host"  # the lm_head table and its sidecar, in a release with a backbone
@@ -102,7 +102,6 @@ def _copy_licence(cfg: ReleaseConfig, pins, tmp: Path) -> list[str]:
     """The release's pinned LICENSE / NOTICE files, verified, copied to the top of ``dist/``."""
     import shutil
 
-    from .layout import LICENSE_FILES
     from .source import require_verified, resolve_source
 
     names = tuple(f for f in LICENSE_FILES if f in pins.files)

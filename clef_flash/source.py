@@ -11,8 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import IntegrityError, UsageError
 from .digest import sha256_file
+from .errors import IntegrityError, UsageError
+from .layout import LICENSE_FILES
 from .pins import HEAD_FILES, Pins
 
 
@@ -120,8 +121,6 @@ def fetch(
     rev = _check_revision(pins, revision, allow_unpinned)
     hf_logging.set_verbosity_error()  # our one-line errors say what failed; no retry chatter
     folder: Path | None = None
-    from .layout import LICENSE_FILES
-
     licence = [f for f in LICENSE_FILES if f in pins.files]  # small; a release's dist/ ships them
     names = list(HEAD_FILES) + (sorted(set(pins.files) - set(HEAD_FILES)) if backbone else licence)
     for name in names:
