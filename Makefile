@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench bench-backbone bench-identity artifact fetch check backbone clean
+.PHONY: setup build test test-fast verify bench bench-backbone bench-identity bench-9b artifact fetch check backbone clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -115,6 +115,12 @@ bench-backbone: setup $(TINY_REL)/pins.json $(SLICE)/pins.json
 # main.mlirb of the streamed route against the converter's own route (weights copied in memory), at the slice
 bench-identity: setup $(SLICE)/pins.json
 	$(BIN)/python benchmarks/bench_identity.py --slice $(SLICE) --compute fp16 --work build
+
+# the whole 9B in one run: the synthetic release written streamed, the cp floor, both recipes built
+# and verified at full size (descriptor, every weight streamed), the slice beside it; about 70 GB of
+# free disk and 40 minutes. Not part of `make test` or `make bench`.
+bench-9b: setup $(SLICE)/pins.json
+	$(BIN)/python benchmarks/bench_9b.py --slice $(SLICE)
 
 clean:
 	rm -rf build dist .cache .pytest_cache

@@ -292,9 +292,11 @@ async def runner(asset: Path, names: list[str]):
     from coreai.runtime import NDArray
 
     from .quiet import native_stderr
+    from .tmpdirs import owned_tempdir
 
     slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
-    with native_stderr():  # the runtime's own lines, off the terminal unless --verbose
+    # the runtime's own lines off the terminal unless --verbose; its compiled copy in a folder no kill strands
+    with native_stderr(), owned_tempdir():
         async with AIModelAsset.load(asset).executable() as model:
             fns = {}
             for name in names:
@@ -314,17 +316,20 @@ async def runner(asset: Path, names: list[str]):
 async def _describe(asset: Path) -> list[dict[str, Any]]:
     from coreai.authoring.asset import AIModelAsset
 
+    from .tmpdirs import owned_tempdir
+
     out = []
-    async with AIModelAsset.load(asset).executable() as model:
-        for name in model.function_names:
-            d = model.load_function(name).desc
-            out.append({
-                "name": name,
-                "inputs": [{"name": n, "shape": list(d.input_descriptor(n).shape), "dtype": str(d.input_descriptor(n).dtype)}
-                           for n in d.input_names],
-                "outputs": [{"name": n, "shape": list(d.output_descriptor(n).shape), "dtype": str(d.output_descriptor(n).dtype)}
-                            for n in d.output_names],
-            })
+    with owned_tempdir():
+        async with AIModelAsset.load(asset).executable() as model:
+            for name in model.function_names:
+                d = model.load_function(name).desc
+                out.append({
+                    "name": name,
+                    "inputs": [{"name": n, "shape": list(d.input_descriptor(n).shape), "dtype": str(d.input_descriptor(n).dtype)}
+                               for n in d.input_names],
+                    "outputs": [{"name": n, "shape": list(d.output_descriptor(n).shape),
+                                 "dtype": str(d.output_descriptor(n).dtype)} for n in d.output_names],
+                })
     return out
 
 

@@ -693,7 +693,14 @@ def inspect(bundle: Annotated[Path, typer.Argument(help="A built bundle folder."
     err.print(t)
 
 
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: staged folders, the runtime's copies removed
+
+
 def main() -> None:
+    import signal
+
+    signal.signal(signal.SIGTERM, _terminated)
     app()
 
 

@@ -152,8 +152,15 @@ def _resource_entries(offsets: bytes) -> list[tuple[int, int, int]]:
     return out
 
 
-def _blob_digest(fh, start: int, size: int, kind: int) -> str:
-    """sha256 of a blob entry's data (its alignment and size prefix excluded)."""
+@dataclass(frozen=True)
+class Blob:
+    name: str
+    start: int  # offset of the data in the file (alignment and size prefix excluded)
+    size: int
+
+
+def _blob_span(fh, start: int, size: int, kind: int) -> tuple[int, int]:
+    """(data offset, data size) of a resource entry: a blob's alignment and size prefix excluded."""
     fh.seek(start)
     r = _Reader(fh.read(min(size, 32)))
     if kind != 0:  # not a blob (bool / string resource): the entry's bytes as they are
@@ -166,6 +173,12 @@ def _blob_digest(fh, start: int, size: int, kind: int) -> str:
             data_start = (data_start + align - 1) & ~(align - 1)
         if data_start + data_size > start + size:
             raise BytecodeError(f"blob at byte {start} overruns its entry")
+    return data_start, data_size
+
+
+def _blob_digest(fh, start: int, size: int, kind: int) -> str:
+    """sha256 of a blob entry's data (its alignment and size prefix excluded)."""
+    data_start, data_size = _blob_span(fh, start, size, kind)
     h = hashlib.sha256()
     fh.seek(data_start)
     left = data_size
@@ -185,6 +198,25 @@ def resource_names(path: Path) -> list[str]:
         sections = _sections(fh, path.stat().st_size)
         strings, entries = _strings_and_entries(fh, sections)
     return [strings[k].decode() for k, _, _ in entries]
+
+
+def blobs(path: Path) -> list[Blob]:
+    """Every resource of a bytecode file: its key and where its data lies (no data is read)."""
+    path = Path(path)
+    with open(path, "rb") as fh:
+        sections = _sections(fh, path.stat().st_size)
+        strings, entries = _strings_and_entries(fh, sections)
+        by_id = {s.id: s for s in sections}
+        if entries and RESOURCE not in by_id:
+            raise BytecodeError("resource offsets without a resource section")
+        out, offset = [], by_id[RESOURCE].start if entries else 0
+        for key, entry_size, kind in entries:
+            data_start, data_size = _blob_span(fh, offset, entry_size, kind)
+            out.append(Blob(strings[key].decode(), data_start, data_size))
+            offset += entry_size
+        if entries and offset != by_id[RESOURCE].start + by_id[RESOURCE].length:
+            raise BytecodeError("resource entries do not fill the resource section")
+    return out
 
 
 def _strings_and_entries(fh, sections: list[Section]):
@@ -252,3 +284,89 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> int:
         fh.seek(tail_start)
         fh.write(tail)
     return len(renamed)
+
+
+def _resource_groups(offsets: bytes) -> tuple[list, list]:
+    """The resource offset section as (external groups, dialect groups): each ``(id, [(key, size, kind)])``."""
+    r = _Reader(offsets)
+
+    def group() -> list[tuple[int, int, int]]:
+        return [(r.varint(), r.varint(), r.byte()) for _ in range(r.varint())]
+
+    external = [(r.varint(), group()) for _ in range(r.varint())]
+    dialect = []
+    while r.pos < len(offsets):
+        dialect.append((r.varint(), group()))
+    return external, dialect
+
+
+def skeleton(path: Path, out: Path) -> int:
+    """A copy of ``path`` with every blob's data left out (each declared with size 0): the same
+    program, functions and signatures in a few KB, for readers that load the whole file into memory
+    (coreai's summary does: 16 GB for a 9B backbone). Returns the bytes written."""
+    path, out = Path(path), Path(out)
+    with open(path, "rb") as fh:
+        sections = _sections(fh, path.stat().st_size)
+        by_id = {s.id: s for s in sections}
+        fh.seek(0)
+        body = bytearray(fh.read(sections[0].header))
+        replaced: dict[int, bytes] = {}
+        if RESOURCE_OFFSET in by_id and RESOURCE in by_id:
+            fh.seek(by_id[RESOURCE_OFFSET].start)
+            groups = _resource_groups(fh.read(by_id[RESOURCE_OFFSET].length))
+            replaced[RESOURCE], sizes = _empty_blobs(fh, by_id[RESOURCE], groups)
+            replaced[RESOURCE_OFFSET] = _write_groups(groups, sizes)
+        for sec in sections:
+            fh.seek(sec.header)
+            head = _Reader(fh.read(32))
+            aligned = bool(head.byte() & 0x80)
+            head.varint()
+            align = head.varint() if aligned else 1
+            if sec.id in replaced:
+                data = replaced[sec.id]
+            else:
+                fh.seek(sec.start)
+                data = fh.read(sec.length)
+            header = bytearray([sec.id | (0x80 if aligned else 0)]) + varint(len(data))
+            if aligned:  # the data starts aligned in the new file too
+                at = len(body) + len(header) + len(varint(align))
+                header += varint(align) + bytes([_PAD]) * ((-at) % align)
+            body += header + data
+    out.write_bytes(bytes(body))
+    return len(body)
+
+
+def _empty_blobs(fh, sec: Section, groups) -> tuple[bytes, list[int]]:
+    """The resource section with each blob's data removed, and the new size of every entry. A
+    blob's padding is relative to the section's start, which is aligned for every blob in it."""
+    external, dialect = groups
+    out = bytearray()
+    sizes = []
+    offset = sec.start
+    for _key, entry_size, kind in [e for _, g in external + dialect for e in g]:
+        fh.seek(offset)
+        if kind != 0:  # a bool or string resource: as it is
+            entry = bytearray(fh.read(entry_size))
+        else:
+            align = _Reader(fh.read(min(entry_size, 32))).varint()
+            entry = bytearray(varint(align) + varint(0))
+            entry += bytes([_PAD]) * ((-(len(out) + len(entry))) % align if align > 1 else 0)
+        out += entry
+        sizes.append(len(entry))
+        offset += entry_size
+    return bytes(out), sizes
+
+
+def _write_groups(groups, sizes: list[int]) -> bytes:
+    external, dialect = groups
+    out = bytearray(varint(len(external)))
+    it = iter(sizes)
+    for gid, g in external:
+        out += varint(gid) + varint(len(g))
+        for key, _size, kind in g:
+            out += varint(key) + varint(next(it)) + bytes([kind])
+    for gid, g in dialect:
+        out += varint(gid) + varint(len(g))
+        for key, _size, kind in g:
+            out += varint(key) + varint(next(it)) + bytes([kind])
+    return bytes(out)

@@ -61,12 +61,31 @@ def built(releases, tmp_path_factory) -> dict[str, Path]:
 
 
 def _reference_rows(release: Path, ids: np.ndarray) -> np.ndarray:
+    """transformers' text model of the release, loaded whole with ``from_pretrained`` in fp32."""
+    import warnings
+
     import torch
+    from transformers import Qwen3_5ForConditionalGeneration
 
-    from clef_flash.backbone.gate import reference_model
-
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype=torch.float32).eval()
     with torch.no_grad():
-        return reference_model(release)(input_ids=torch.from_numpy(ids[None])).last_hidden_state[0].numpy()
+        return model.model.language_model(input_ids=torch.from_numpy(ids[None])).last_hidden_state[0].numpy()
+
+
+@pytest.mark.parametrize("variant", ["tiny", "other"])
+def test_the_gates_streamed_reference_is_from_pretrained_bit_for_bit(releases, variant):
+    """The gate's reference holds one decoder layer at a time and reads the embedding rows from the
+    shard; its rows must be transformers' own, bit for bit."""
+    from clef_flash.backbone.reference import StreamedTextModel
+
+    ref = StreamedTextModel(releases[variant])
+    rng = np.random.default_rng(5)
+    for n in (1, 17, 150):
+        ids = rng.integers(0, 256, size=n)
+        assert np.array_equal(ref.rows(ids), _reference_rows(releases[variant], ids)), n
+    assert all(p.device.type == "meta" for layer in ref.model.layers for p in layer.parameters())  # dropped after use
 
 
 @pytest.mark.parametrize("variant", ["tiny", "other"])
@@ -280,6 +299,115 @@ def test_tampered_shard_and_unpinned_file_are_named(releases, tmp_path):
     (rel / "pins.json").write_text(json.dumps(pins))
     res = runner.invoke(app, ["build", str(recipe), "--source", str(rel), "--out", str(tmp_path / "out"), "--dry-run"])
     assert res.exit_code == 3 and "tokenizer.json: not pinned" in res.output
+
+
+# ---------------------------------------------------------------- the gate at any size: weights, bytecode descriptor
+
+
+def _infos(release: Path):
+    from clef_flash.backbone.contract import weight_names
+    from clef_flash.backbone.release import release_config
+    from clef_flash.backbone.weights import locate
+
+    return locate(release, weight_names(release_config(release)))
+
+
+def test_every_weight_in_the_asset_is_the_releases_and_a_changed_value_is_named(built, releases, tmp_path):
+    """The streamed comparison finds each 2-D+ tensor of the release in a blob of main.mlirb (fp16,
+    or folded to fp32), and names the tensor when one value differs on either side."""
+    import shutil
+
+    from clef_flash.backbone.asset_weights import compare
+    from clef_flash.mlirb import blobs
+
+    for key, rel, scaled in (("tiny32", "tiny", True), ("other32", "other", True), ("other16", "other", False)):
+        mlirb = next(built[key].glob("*.aimodel")) / "main.mlirb"
+        infos = _infos(releases[rel])
+        r = compare(mlirb, releases[rel], infos, scaled=scaled)
+        assert r.ok and len(r.matched) == r.tensors == sum(1 for t in infos.values() if len(t.shape) >= 2), r.checks()
+        assert not compare(mlirb, releases[rel], infos, scaled=not scaled).ok  # the other recipe's bytes are not these
+
+    # the asset side: one byte inside the largest blob
+    mlirb = next(built["tiny32"].glob("*.aimodel")) / "main.mlirb"
+    infos = _infos(releases["tiny"])
+    copy = tmp_path / "main.mlirb"
+    shutil.copy2(mlirb, copy)
+    big = max(blobs(copy), key=lambda b: b.size)
+    data = bytearray(copy.read_bytes())
+    data[big.start + big.size // 2] ^= 0x40
+    copy.write_bytes(bytes(data))
+    r = compare(copy, releases["tiny"], infos, scaled=True)
+    assert len(r.missing) == 1 and not r.ok
+    assert r.missing[0] in r.checks()[0][2] and r.checks()[0][1] is False
+
+    # the release side: one bf16 value of one projection
+    rel = tmp_path / "rel"
+    shutil.copytree(releases["tiny"], rel)
+    t = infos["model.language_model.layers.3.self_attn.q_proj.weight"]
+    shard = rel / t.file
+    data = bytearray(shard.read_bytes())
+    data[t.offset + 2 * 17] ^= 0x40  # a mantissa bit of the 18th value
+    shard.write_bytes(bytes(data))
+    r = compare(mlirb, rel, infos, scaled=True)
+    assert r.missing == [t.name]
+
+
+def test_bytecode_descriptor_is_the_runtimes(built, tmp_path):
+    """The descriptor read from the bytecode (any size: no compiled copy, a skeleton of main.mlirb
+    with every blob's data left out) says what the runtime says."""
+    from clef_flash.backbone.gate import bytecode_descriptor
+    from clef_flash.backbone.runtime import describe
+    from clef_flash.mlirb import blobs, skeleton
+
+    for key in ("tiny32", "other16"):
+        asset = next(built[key].glob("*.aimodel"))
+        full = blobs(asset / "main.mlirb")
+        n = skeleton(asset / "main.mlirb", tmp_path / f"{key}.mlirb")
+        assert n == (tmp_path / f"{key}.mlirb").stat().st_size < (asset / "main.mlirb").stat().st_size - sum(b.size for b in full) + 64 * len(full)
+        assert [(b.name, b.size) for b in blobs(tmp_path / f"{key}.mlirb")] == [(b.name, 0) for b in full]
+        static, loaded = bytecode_descriptor(asset), describe(asset)
+        assert static["functions"] == loaded["functions"] == ["main"]
+        for kind in ("inputs", "states", "outputs"):
+            assert list(static[kind]) == list(loaded[kind])
+            for name, spec in static[kind].items():
+                got = loaded[kind][name]
+                assert spec["shape"] == [-1 if isinstance(x, str) else x for x in got["shape"]], (name, got)
+                assert spec["dtype"] in got["dtype"].replace("float", "fp"), (name, got)
+
+
+def test_verify_without_the_numeric_check_still_gates_the_weights(built, releases, tmp_path, monkeypatch):
+    """What runs at 9B size (no numeric check): the bytecode's descriptor and the streamed weights.
+    A bundle whose files agree with its manifest but whose weights are not the release's fails (exit 4)."""
+    import hashlib
+    import shutil
+
+    from clef_flash.backbone import gate
+    from clef_flash.mlirb import blobs
+
+    monkeypatch.setitem(gate.NUMERIC_MAX_PARAMETERS, "fp32", 0)
+    res = runner.invoke(app, ["verify", str(built["tiny32"]), "--source", str(releases["tiny"]),
+                              "--transcript", str(tmp_path / "t.json")])
+    assert res.exit_code == 0, res.output
+    t = json.loads((tmp_path / "t.json").read_text())
+    checks = {c["check"]: c for c in t["checks"]}
+    assert checks["functions = [main] (bytecode)"]["ok"] and checks["every weight = the release's tensor in fp16 (streamed)"]["ok"]
+    assert not t["records"] and "numeric check not run" in t["notes"][0]
+
+    copy = tmp_path / built["tiny32"].name
+    shutil.copytree(built["tiny32"], copy)
+    asset = next(copy.glob("*.aimodel"))
+    mlirb = asset / "main.mlirb"
+    data = bytearray(mlirb.read_bytes())
+    big = max(blobs(mlirb), key=lambda b: b.size)
+    data[big.start + 5] ^= 0x40
+    mlirb.write_bytes(bytes(data))
+    digest = hashlib.sha256(bytes(data)).hexdigest()
+    (asset / "main.hash").write_bytes(bytes.fromhex(digest))
+    m = json.loads((copy / "metadata.json").read_text())
+    m["export"]["main_mlirb"]["sha256"] = digest
+    (copy / "metadata.json").write_text(json.dumps(m))
+    res = runner.invoke(app, ["verify", str(copy), "--source", str(releases["tiny"])])
+    assert res.exit_code == 4 and "is in no blob of main.mlirb" in res.output, res.output
 
 
 # ---------------------------------------------------------------- weights scaled by powers of two
@@ -612,3 +740,45 @@ def test_the_worker_dies_with_its_parent_even_when_silent(tmp_path):
     else:
         os.kill(child, signal.SIGKILL)
         raise AssertionError("the silent worker outlived its killed parent")
+
+
+def test_a_killed_verify_strands_no_compiled_copy(built, releases, tmp_path):
+    """The runtime compiles the asset into a temporary folder before it runs it (7.5 GB at a
+    real-width slice). SIGTERM unwinds and removes it (exit 130); after a SIGKILL the next run of
+    the runtime sweeps the folder of the process that is gone."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from clef_flash.tmpdirs import PREFIX, owned_tempdir
+
+    exe = Path(sys.executable).parent / "clef-export"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
+
+    def start_and_wait_for_the_compiled_copy():
+        proc = subprocess.Popen([str(exe), "verify", str(built["tiny32"]), "--source", str(releases["tiny"])],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + 300
+        while not list(tmp.glob(f"{PREFIX}*/*.aimodelx")) and time.monotonic() < deadline:
+            assert proc.poll() is None, "verify ended before the runtime compiled the asset"
+            time.sleep(0.05)
+        assert list(tmp.glob(f"{PREFIX}*/*.aimodelx")), "the runtime's folder never appeared"
+        return proc
+
+    proc = start_and_wait_for_the_compiled_copy()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    assert not list(tmp.iterdir())
+
+    proc = start_and_wait_for_the_compiled_copy()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stranded = list(tmp.glob(f"{PREFIX}{proc.pid}-*"))
+    assert stranded, "SIGKILL leaves the folder for the next run to sweep"
+    with owned_tempdir(tmp) as mine:
+        assert not any(p.exists() for p in stranded) and mine.exists()
+    assert not list(tmp.iterdir())

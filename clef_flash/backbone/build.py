@@ -146,7 +146,9 @@ def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
         record = build_record(recipe, cfg.recipe_path, pins, dict(sorted(outputs.items())), text.hidden_size,
                               {"model": "backbone", "text_config": text.as_dict(), "seconds": seconds,
                                # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see backbone.weights)
-                               "scaled_tensors": int(timings.get("scaled_tensors", 0))})
+                               "scaled_tensors": int(timings.get("scaled_tensors", 0)),
+                               # the weights converted in a thread beside the trace: its own seconds
+                               "weights_beside_trace_seconds": round(float(timings.get("weights_beside_trace", 0.0)), 3)})
         if cfg.verify and recipe.verify.enabled:
             log("verifying the saved backbone against transformers' text model")
             report = verify_backbone(BackboneVerifyConfig(bundle=tmp, source=source, pins_path=cfg.pins_path,

@@ -2,13 +2,16 @@
 
 1. the bundle's files against its manifest (``main.mlirb`` size and sha256, ``main.hash``, every
    tokenizer file), the release's files against the pins and the manifest's source;
-2. the descriptor as the Core AI runtime reports it: one function ``main``, the inputs, states and
-   output of the manifest's interface, names, shapes and dtypes;
-3. numeric (where the decoder is small enough for the Linux CPU runtime, ``numeric_max_parameters``):
+2. the descriptor: one function ``main``, the inputs, states and output of the manifest's
+   interface, names, shapes and dtypes, as the Core AI runtime reports it where the numeric check
+   loads the asset, else as the bytecode declares it (no compiled copy: any size);
+3. every 2-D+ weight in ``main.mlirb`` equal to the release's tensor in fp16, streamed
+   (``asset_weights``: any size, a few MB of memory);
+4. numeric (where the decoder is small enough for the Linux CPU runtime, ``numeric_max_parameters``):
    seeded token records of lengths 1, S - 1, S, S + 1, three chunks and one near the maximum
    context, through the saved asset and the host loop (``host.run_record``), against transformers'
    own text model of the release in fp32, one full forward per record;
-4. red arms on a three-chunk record, which must fail the bar: the state not carried between chunks,
+5. red arms on a three-chunk record, which must fail the bar: the state not carried between chunks,
    every position one token late.
 
 Every failure is collected; then the gate fails (exit 4). Bars are data with their reasons.
@@ -17,6 +20,8 @@ Every failure is collected; then the gate fails (exit 4). Bars are data with the
 from __future__ import annotations
 
 import asyncio
+import gc
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -26,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import IntegrityError, NumericError
+from .contract import FUNCTION
 
 # Bars on the hidden rows, relative to the record's largest |value| (Qwen3.5's final-norm rows carry
 # a few outlier dimensions, so a bar relative to each element would be meaningless near zero).
@@ -45,6 +51,9 @@ TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
     },
 }
 RED_ARMS = ("state_reset", "positions_late")
+# the numeric check runs on decoders up to this many parameters unless the recipe says otherwise: the
+# Linux CPU runtime's fp16 arithmetic takes over 16 minutes a chunk at real width (the recipes' values)
+NUMERIC_MAX_PARAMETERS = {"fp32": 2_000_000_000, "fp16": 50_000_000}
 
 
 def tolerances(compute: str) -> dict[str, dict[str, Any]]:
@@ -58,8 +67,9 @@ class BackboneVerifyConfig:
     pins_path: Path
     seed: int = 0
     long_record: int | None = None
-    numeric_max_parameters: int = 2_000_000_000
+    numeric_max_parameters: int | None = None  # None: NUMERIC_MAX_PARAMETERS for the bundle's compute
     red: bool = True
+    weights: bool = True  # every 2-D+ weight in main.mlirb against the release, streamed (asset_weights)
 
 
 @dataclass
@@ -151,11 +161,48 @@ def check_files(bundle: Path):
     return m, asset, checks
 
 
-def descriptor_checks(asset: Path, m) -> list[tuple[str, bool, str]]:
+_DTYPES = {"Float32": "fp32", "Float16": "fp16", "Int32": "int32"}
+
+
+def bytecode_descriptor(asset: Path) -> dict[str, Any]:
+    """Functions, inputs, states and outputs as the asset's bytecode declares them, read without
+    compiling it: the runtime's load writes a compiled fp32 copy of the weights first (about 32 GB
+    for a 9B), and coreai's ``AIModelAsset.summary`` reads the whole file into memory (16 GB), so it
+    reads a skeleton of ``main.mlirb`` (``mlirb.skeleton``: every blob's data left out, a few KB)."""
+    import shutil
+    import tempfile
+
+    from coreai.authoring.asset import AIModelAsset
+
+    from ..mlirb import skeleton
+
+    with tempfile.TemporaryDirectory(prefix="clef-descriptor-") as tmp:
+        copy = Path(tmp) / Path(asset).name
+        copy.mkdir()
+        shutil.copy2(Path(asset) / "metadata.json", copy / "metadata.json")
+        skeleton(Path(asset) / "main.mlirb", copy / "main.mlirb")
+        s = AIModelAsset.load(copy).summary(include_statistics=False)
+        functions = list(s.function_names)
+        raw = {kind: list(read(FUNCTION)) for kind, read in (("inputs", s.function_inputs), ("states", s.function_states),
+                                                             ("outputs", s.function_outputs))} if FUNCTION in functions else {}
+
+    def spec(text: str) -> dict[str, Any]:  # "NDArray (Float32, 1 × 64 × 4096)", "NDArray (Int32, 1 × ?)"
+        got = re.fullmatch(r"NDArray \((\w+), (.*)\)", text.strip())
+        if not got:
+            return {"shape": [], "dtype": text}
+        dims = [-1 if d.strip() == "?" else int(d) for d in got.group(2).split("×")]
+        return {"shape": dims, "dtype": _DTYPES.get(got.group(1), got.group(1))}
+
+    return {"functions": functions, **{kind: {n: spec(t) for n, t in pairs} for kind, pairs in raw.items()}}
+
+
+def descriptor_checks(asset: Path, m, compiled: bool = True) -> list[tuple[str, bool, str]]:
+    """The manifest's interface against the runtime's descriptor (``compiled``) or the bytecode's."""
     from .runtime import describe
 
-    d = describe(asset)
-    out = [("functions = [main]", d["functions"] == [m.interface.function], str(d["functions"]))]
+    d = describe(asset) if compiled else bytecode_descriptor(asset)
+    where = "runtime" if compiled else "bytecode"
+    out = [(f"functions = [main] ({where})", d["functions"] == [m.interface.function], str(d["functions"]))]
     if "inputs" not in d:
         return out
 
@@ -164,7 +211,7 @@ def descriptor_checks(asset: Path, m) -> list[tuple[str, bool, str]]:
             g = got.get(name)
             shape = [-1 if isinstance(x, str) else x for x in spec.shape]
             ok = g is not None and g["shape"] == shape and spec.dtype in g["dtype"].replace("float", "fp").replace("int32", "int32")
-            out.append((f"{kind} {name} {shape} {spec.dtype}", ok, "ok" if ok else f"runtime reports {g}"))
+            out.append((f"{kind} {name} {shape} {spec.dtype}", ok, "ok" if ok else f"the {where} says {g}"))
         extra = sorted(set(got) - set(want))
         out.append((f"no other {kind}", not extra, "ok" if not extra else ", ".join(extra)))
 
@@ -174,24 +221,6 @@ def descriptor_checks(asset: Path, m) -> list[tuple[str, bool, str]]:
     return out
 
 
-def reference_model(source: Path):
-    """transformers' own text model of the release, fp32, CPU."""
-    import torch
-
-    from ..reference import import_reference
-
-    import_reference()
-    from transformers import Qwen3_5ForConditionalGeneration
-    from transformers.utils import logging as tf_logging
-
-    tf_logging.set_verbosity_error()
-    tf_logging.disable_progress_bar()  # "Loading weights" bars are not our progress
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = Qwen3_5ForConditionalGeneration.from_pretrained(source, dtype=torch.float32).eval()
-    return model.model.language_model
-
-
 def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     rel = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
     cos = (got * want).sum(-1) / np.maximum(np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1), 1e-30)
@@ -199,14 +228,17 @@ def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
 
 
 def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> BackboneReport:
-    import torch
-
     from ..pins import load_pins
     from ..provenance import tool_versions
     from ..source import resolve_source
     from . import host
+    from ..progress import counting, progress
+    from .asset_weights import compare
+    from .reference import StreamedTextModel
+    from .contract import weight_names
     from .release import release_config, verify_files
     from .runtime import runner
+    from .weights import locate
 
     t_start = time.perf_counter()
     m, asset, checks = check_files(cfg.bundle)
@@ -216,31 +248,45 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     same = m.source.files == {k: pins.files[k] for k in m.source.files} and m.source.hf_id == pins.hf_id
     checks.append(("manifest source = release files", same, "ok" if same else f"the manifest names {m.source.hf_id}, "
                    f"the pins {pins.hf_id}, or other file digests"))
-    checks.extend(descriptor_checks(asset, m))
     text = release_config(source)
     compute = m.export.compute
     chunk, context = m.language.prefill_chunk, m.language.max_context
-    from .contract import weight_names
-    params = sum(int(np.prod(s)) for s in weight_names(text).values())
+    infos = locate(source, weight_names(text))
+    params = sum(int(np.prod(t.shape)) for t in infos.values())
+    limit = cfg.numeric_max_parameters if cfg.numeric_max_parameters is not None else NUMERIC_MAX_PARAMETERS[compute]
+    numeric = params <= limit
+    # the runtime's own descriptor where it loads the asset anyway; else the bytecode's (no compiled copy)
+    checks.extend(descriptor_checks(asset, m, compiled=numeric))
     notes: list[str] = []
+    if cfg.weights:
+        weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log)
+        checks.extend(weights.checks())
+    else:
+        notes.append("the streamed weight comparison was not run")
     results: list[RecordResult] = []
-    if params > cfg.numeric_max_parameters:
-        notes.append(f"numeric check not run: {params:,} parameters exceed the recipe's numeric_max_parameters "
-                     f"({cfg.numeric_max_parameters:,}); fp{'16' if compute == 'fp16' else '32'} compute on the Linux CPU "
+    if not numeric:
+        notes.append(f"numeric check not run: {params:,} parameters exceed numeric_max_parameters "
+                     f"({limit:,}); fp{'16' if compute == 'fp16' else '32'} compute on the Linux CPU "
                      f"runtime is too slow at this size")
     else:
         lengths = record_lengths(chunk, context, cfg.long_record)
         rng = np.random.default_rng([cfg.seed, 19])
         records = {name: rng.integers(0, text.vocab_size, size=n) for name, n in lengths.items()}
-        ref = reference_model(source)
+        # the reference first, one layer in memory at a time, and gone before the runtime loads the asset
+        with progress("gate: reference, transformers fp32", len(records), "records") as tick:
+            ref = StreamedTextModel(source)
+            wants = {}
+            for name, ids in records.items():
+                wants[name] = ref.rows(ids)
+                tick()
+        del ref
+        gc.collect()
         state_dtype = "fp32" if compute == "fp32" else "fp16"
 
         plan = [(name, arm) for name in records
                 for arm in ["main"] + (list(RED_ARMS) if cfg.red and name == "three-chunks" else [])]
 
         async def run_all():
-            from ..progress import counting, progress
-
             out = []
             calls = sum(host.chunks_for(len(records[name]), chunk) for name, _ in plan)
             async with runner(asset, text.state_shapes(context), state_dtype) as (call, new_states):
@@ -256,10 +302,6 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             runs = asyncio.run(run_all())
-        wants = {}
-        with torch.no_grad():
-            for name, ids in records.items():
-                wants[name] = ref(input_ids=torch.from_numpy(ids[None].astype(np.int64))).last_hidden_state[0].numpy()
         for name, arm, got, secs in runs:
             rel, cos = _compare(got, wants[name])
             results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),

@@ -22,8 +22,10 @@ async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dt
     from coreai.runtime import NDArray
 
     from ..quiet import native_stderr
+    from ..tmpdirs import owned_tempdir
 
-    with native_stderr():  # the runtime's own lines, off the terminal unless --verbose
+    # the runtime's own lines off the terminal unless --verbose; its compiled copy in a folder no kill strands
+    with native_stderr(), owned_tempdir():
         async with AIModelAsset.load(Path(asset)).executable() as model:
             fn = model.load_function(FUNCTION)
             if fn is None:
@@ -42,20 +44,27 @@ async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dt
 async def _describe(asset: Path) -> dict[str, Any]:
     from coreai.authoring.asset import AIModelAsset
 
-    async with AIModelAsset.load(Path(asset)).executable() as model:
-        out = {"functions": list(model.function_names)}
-        fn = model.load_function(FUNCTION)
-        if fn is None:
-            return out
-        d = fn.desc
+    from ..tmpdirs import owned_tempdir
 
-        def spec(desc) -> dict[str, Any]:
-            return {"shape": [int(x) if isinstance(x, int) else str(x) for x in desc.shape], "dtype": str(desc.dtype)}
+    with owned_tempdir():
+        async with AIModelAsset.load(Path(asset)).executable() as model:
+            return _descriptor(model)
 
-        out["inputs"] = {n: spec(d.input_descriptor(n)) for n in d.input_names}
-        out["states"] = {n: spec(d.state_descriptor(n)) for n in d.state_names}
-        out["outputs"] = {n: spec(d.output_descriptor(n)) for n in d.output_names}
+
+def _descriptor(model) -> dict[str, Any]:
+    out = {"functions": list(model.function_names)}
+    fn = model.load_function(FUNCTION)
+    if fn is None:
         return out
+    d = fn.desc
+
+    def spec(desc) -> dict[str, Any]:
+        return {"shape": [int(x) if isinstance(x, int) else str(x) for x in desc.shape], "dtype": str(desc.dtype)}
+
+    out["inputs"] = {n: spec(d.input_descriptor(n)) for n in d.input_names}
+    out["states"] = {n: spec(d.state_descriptor(n)) for n in d.state_names}
+    out["outputs"] = {n: spec(d.output_descriptor(n)) for n in d.output_names}
+    return out
 
 
 def describe(asset: Path) -> dict[str, Any]:

@@ -128,12 +128,18 @@ class Fp16Weights:
     1-D as fp32 arrays. ``tensors()`` gives torch tensors sharing that memory."""
 
     def __init__(self, folder: Path, infos: dict[str, TensorInfo], scratch_dir: Path, log=lambda msg: None,
-                 scaled: bool = False) -> None:
+                 scaled: bool = False, defer: bool = False) -> None:
+        """``defer``: lay out the scratch file and its views (and the scale exponents) now, convert
+        the values in ``fill()`` later: torch.export traces the views without reading them, so the
+        export runs ``fill()`` in a thread beside the trace and joins it before converting."""
         self.folder = Path(folder)
         self.scaled = scaled
         self.exponents: dict[str, int] = {}  # name -> k: the stored tensor is W * 2**k
+        self._log = log
         size = max(scratch_bytes(infos), _ALIGN)
         fd, path = tempfile.mkstemp(prefix=".clef-weights-", suffix=".f16", dir=scratch_dir)
+        self._fd: int | None = fd
+        self._todo: list[tuple[TensorInfo, int, int]] = []  # (tensor, offset in the scratch file, k)
         try:
             os.unlink(path)  # only the mapping holds it: nothing is left on any exit
             os.ftruncate(fd, size)
@@ -149,13 +155,35 @@ class Fp16Weights:
                 n = int(np.prod(t.shape))
                 k = self._exponent(t) if scaled else 0
                 self.exponents[name] = k
-                self._convert(t, fd, at, k)  # written with pwrite: no page fault per page of the mapping
+                if defer:
+                    self._todo.append((t, at, k))
+                else:
+                    self._convert(t, fd, at, k)  # written with pwrite: no page fault per page of the mapping
                 self.arrays[name] = np.frombuffer(self._map, dtype=np.float16, count=n, offset=at).reshape(t.shape)
                 self.fp16_bytes += n * 2
                 at += -(-n * 2 // _ALIGN) * _ALIGN
         finally:
-            os.close(fd)
-        log(f"{len(infos)} tensors, {self.fp16_bytes:,} fp16 bytes mapped from the scratch file")
+            if not defer:
+                os.close(fd)
+                self._fd = None
+        if not defer:
+            log(f"{len(infos)} tensors, {self.fp16_bytes:,} fp16 bytes mapped from the scratch file")
+
+    def fill(self) -> float:
+        """Convert the deferred tensors into the scratch file; returns the seconds it took."""
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            for t, at, k in self._todo:
+                self._convert(t, self._fd, at, k)
+        finally:
+            self._todo = []
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        self._log(f"{self.fp16_bytes:,} fp16 bytes converted into the scratch file in {time.perf_counter() - t0:.1f} s")
+        return time.perf_counter() - t0
 
     def _read_small(self, t: TensorInfo) -> np.ndarray:
         with open(self.folder / t.file, "rb") as fh:
@@ -238,5 +266,5 @@ class Fp16Weights:
 
 
 def load_weights(folder: Path, wanted: dict[str, tuple[int, ...]], scratch_dir: Path, log=lambda msg: None,
-                 scaled: bool = False) -> Fp16Weights:
-    return Fp16Weights(folder, locate(folder, wanted), scratch_dir, log, scaled)
+                 scaled: bool = False, defer: bool = False) -> Fp16Weights:
+    return Fp16Weights(folder, locate(folder, wanted), scratch_dir, log, scaled, defer)

@@ -1,0 +1,179 @@
+"""Every weight in a saved backbone asset against the release's tensor, streamed: the gate's check
+that needs no runtime, so it runs at any size (the 9B included) in a few MB of memory.
+
+The release side: each tensor of two or more dimensions read from its shard in row blocks,
+converted here with numpy (bf16 -> fp32 by a shift, times ``2**k`` for the fp32-compute recipes,
+rounded to fp16: an implementation of its own, not the build's torch path), and hashed as fp16
+bytes; a small tensor also as those fp16 values widened to fp32 (the Core AI compiler folds the
+fp32 cast of a small fp16 constant into an fp32 blob). The asset side: every blob of
+``main.mlirb`` located from the bytecode's resource section and hashed where it lies. A tensor
+whose bytes are in no blob is a failure naming it. The two sides run in two threads (hashlib and
+numpy release the GIL on large buffers): the two cores read the release and the asset at once.
+
+1-D tensors (norm scales, ``A_log``, ``dt_bias``) are not compared here: the converter folds them
+into derived constants (``1 + w``, ``-exp(A_log)``); the numeric gate covers them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import IntegrityError
+from ..mlirb import Blob, BytecodeError, blobs
+from .weights import SCALE_BOUND, SCALE_TARGET, TensorInfo
+
+_BLOCK = 32 << 20  # bytes read at a time, on either side
+# the fp32 form is hashed for tensors up to this many values: the compiler folds the cast of fp16
+# constants up to about 131,072 values (measured); a larger folded one fails here, never passes
+FOLD_MAX_VALUES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Expected:
+    name: str
+    shape: tuple[int, ...]
+    exponent: int
+    fp16: str  # sha256 of the fp16 bytes (times 2**exponent)
+    fp32: str | None  # sha256 of the same values widened to fp32 (small tensors only)
+
+
+@dataclass
+class WeightsReport:
+    tensors: int  # 2-D+ tensors compared
+    matched: dict[str, str]  # name -> form found ("fp16" / "fp32")
+    missing: list[str]  # names whose bytes are in no blob
+    one_d: int  # 1-D tensors, not compared here (folded into derived constants)
+    blobs: int
+    other_blobs: int  # blobs no tensor matched (RoPE tables, masks, derived constants)
+    other_bytes: int
+    fp16_bytes: int  # bytes of the 2-D+ tensors as fp16
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.missing
+
+    def checks(self) -> list[tuple[str, bool, str]]:
+        forms = {f: sum(1 for v in self.matched.values() if v == f) for f in ("fp16", "fp32")}
+        detail = (f"{len(self.matched)}/{self.tensors} tensors ({self.fp16_bytes:,} fp16 bytes; {forms['fp16']} as fp16, "
+                  f"{forms['fp32']} folded to fp32); {self.blobs} blobs, {self.other_blobs} other constants "
+                  f"({self.other_bytes:,} bytes); {self.one_d} 1-D tensors folded, left to the numeric check")
+        if self.missing:
+            detail = (f"{self.missing[0]} is in no blob of main.mlirb" + (f" (+{len(self.missing) - 1} more)"
+                      if len(self.missing) > 1 else "") + "; " + detail)
+        return [("every weight = the release's tensor in fp16 (streamed)", self.ok, detail)]
+
+
+def _rows(folder: Path, t: TensorInfo):
+    """The tensor's raw values in row blocks, read into one reused buffer."""
+    item = {"BF16": 2, "F16": 2, "F32": 4}[t.dtype]
+    row = int(np.prod(t.shape[1:])) * item
+    step = max(1, _BLOCK // row)
+    buf = bytearray(min(t.shape[0], step) * row)
+    with open(folder / t.file, "rb", buffering=0) as fh:
+        fh.seek(t.offset)
+        for r0 in range(0, t.shape[0], step):
+            n = (min(t.shape[0], r0 + step) - r0) * row
+            mv, got = memoryview(buf)[:n], 0
+            while got < n:
+                k = fh.readinto(mv[got:])
+                if not k:
+                    raise IntegrityError(f"{folder / t.file}: ends inside {t.name}")
+                got += k
+            yield _f32(np.frombuffer(buf, dtype=np.uint8, count=n), t.dtype)
+
+
+def _f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return np.left_shift(raw.view("<u2").astype(np.uint32), 16).view(np.float32)
+    return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32)
+
+
+def exponent_of(top: float) -> int:
+    """The k the fp32-compute recipes scale by: the largest with ``top * 2**k <= 2**SCALE_TARGET``."""
+    if top == 0.0 or not np.isfinite(top):
+        return 0
+    k = SCALE_TARGET
+    while k > -SCALE_BOUND and top * 2.0 ** k > 2.0 ** SCALE_TARGET:
+        k -= 1
+    while k < SCALE_BOUND and top * 2.0 ** (k + 1) <= 2.0 ** SCALE_TARGET:
+        k += 1
+    return k
+
+
+def expected(folder: Path, t: TensorInfo, scaled: bool) -> Expected:
+    k = 0
+    if scaled:
+        top = 0.0
+        for block in _rows(folder, t):
+            if block.size:
+                top = max(top, float(np.max(np.abs(block))))
+        k = exponent_of(top)
+    h16 = hashlib.sha256()
+    h32 = hashlib.sha256() if int(np.prod(t.shape)) <= FOLD_MAX_VALUES else None
+    scale = np.float32(2.0 ** k)
+    for block in _rows(folder, t):
+        half = (block * scale).astype(np.float16) if k else block.astype(np.float16)
+        h16.update(half)
+        if h32 is not None:
+            h32.update(half.astype(np.float32))
+    return Expected(t.name, t.shape, k, h16.hexdigest(), h32.hexdigest() if h32 else None)
+
+
+def blob_digests(mlirb: Path) -> list[tuple[Blob, str]]:
+    try:
+        found = blobs(mlirb)
+    except BytecodeError as exc:
+        raise IntegrityError(f"{mlirb}: not readable MLIR bytecode ({exc})") from None
+    out = []
+    with open(mlirb, "rb", buffering=0) as fh:
+        for b in found:
+            h = hashlib.sha256()
+            fh.seek(b.start)
+            left = b.size
+            while left:
+                chunk = fh.read(min(_BLOCK, left))
+                if not chunk:
+                    raise IntegrityError(f"{mlirb}: ends inside blob {b.name}")
+                h.update(chunk)
+                left -= len(chunk)
+            out.append((b, h.hexdigest()))
+    return out
+
+
+def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: bool,
+            log=lambda msg: None) -> WeightsReport:
+    """The release's 2-D+ tensors against the blobs of ``mlirb`` (both hashed, in two threads)."""
+    import time
+
+    t0 = time.perf_counter()
+    big = sorted((t for t in infos.values() if len(t.shape) >= 2), key=lambda t: (t.file, t.offset))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        asset_side = pool.submit(blob_digests, Path(mlirb))
+        wants = [expected(Path(folder), t, scaled) for t in big]
+        have = asset_side.result()
+    by_digest: dict[str, Blob] = {}
+    for b, d in have:
+        by_digest.setdefault(d, b)
+    matched, missing, used = {}, [], set()
+    for e in wants:
+        if e.fp16 in by_digest:
+            matched[e.name] = "fp16"
+            used.add(by_digest[e.fp16].name)
+        elif e.fp32 is not None and e.fp32 in by_digest:
+            matched[e.name] = "fp32"
+            used.add(by_digest[e.fp32].name)
+        else:
+            missing.append(e.name)
+    other = [b for b, _ in have if b.name not in used]
+    report = WeightsReport(tensors=len(big), matched=matched, missing=missing,
+                           one_d=sum(1 for t in infos.values() if len(t.shape) < 2), blobs=len(have),
+                           other_blobs=len(other), other_bytes=sum(b.size for b in other),
+                           fp16_bytes=sum(int(np.prod(t.shape)) * 2 for t in big), seconds=time.perf_counter() - t0)
+    log(f"weights: {len(matched)}/{len(big)} tensors found in main.mlirb in {report.seconds:.1f} s")
+    return report

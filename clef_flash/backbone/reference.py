@@ -1,0 +1,95 @@
+"""The gate's reference: transformers' own Qwen3.5 text model of a release in fp32, holding one
+decoder layer's weights at a time.
+
+``from_pretrained`` holds the whole model in fp32 (7.5 GB at a real-width 4-layer slice: the
+embedding alone is 4 GB, 31 GB for a 9B). Here the model is built on the meta device from the
+release's ``text_config``; a pre-hook on each decoder layer reads that layer's tensors from the
+shards (bf16 -> fp32, exact) and a post-hook drops them, so a forward holds one layer (about
+0.8 GB at 9B width) and the activations. The embedding is never built: the rows of the record's
+tokens are read from the shard (a mapping: page cache) and passed as ``inputs_embeds``, which
+transformers' forward takes in place of ``embed_tokens(input_ids)``. Everything else (rotary
+tables, masks, the layers' and the final norm's arithmetic) is transformers' forward as it is; a
+test holds the rows bit for bit equal to ``from_pretrained``'s on the tiny releases.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from .contract import LM
+from .weights import TensorInfo, _as_f32, locate
+
+
+def _read(folder: Path, t: TensorInfo):
+    import torch
+
+    with open(folder / t.file, "rb") as fh:
+        fh.seek(t.offset)
+        raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
+    return torch.from_numpy(_as_f32(raw, t.dtype).reshape(t.shape).copy())
+
+
+class StreamedTextModel:
+    """``rows(ids) -> hidden [T, H]`` fp32: transformers' text model, one layer in memory at a time."""
+
+    def __init__(self, source: Path) -> None:
+        import torch
+
+        from ..reference import import_reference
+
+        import_reference()
+        from transformers import Qwen3_5Config
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextModel, Qwen3_5TextRotaryEmbedding
+        from transformers.utils import logging as tf_logging
+
+        tf_logging.set_verbosity_error()
+        self.source = Path(source)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = Qwen3_5Config.from_pretrained(self.source).text_config
+            with torch.device("meta"):
+                model = Qwen3_5TextModel(config)
+            model.rotary_emb = Qwen3_5TextRotaryEmbedding(config=config)  # its tables computed on the CPU
+        self.model = model.eval()
+        wanted = {f"{LM}{n}": tuple(p.shape) for n, p in model.named_parameters()}
+        self.infos = locate(self.source, wanted)
+        self._load(model.norm, "norm.")
+        for i, layer in enumerate(model.layers):
+            layer.register_forward_pre_hook(lambda mod, args, prefix=f"layers.{i}.": self._load(mod, prefix))
+            layer.register_forward_hook(lambda mod, args, out: self._drop(mod))
+
+    def _load(self, module, prefix: str) -> None:
+        import torch
+
+        for name, p in list(module.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            target = module.get_submodule(owner) if owner else module
+            target._parameters[attr] = torch.nn.Parameter(_read(self.source, self.infos[f"{LM}{prefix}{name}"]),
+                                                          requires_grad=False)
+
+    def _drop(self, module) -> None:
+        import torch
+
+        for name, p in list(module.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            target = module.get_submodule(owner) if owner else module
+            target._parameters[attr] = torch.nn.Parameter(torch.empty(p.shape, device="meta"), requires_grad=False)
+
+    def embed(self, ids: np.ndarray):
+        import torch
+
+        t = self.infos[f"{LM}embed_tokens.weight"]
+        table = np.memmap(self.source / t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
+        rows = table.reshape(t.shape[0], -1)[np.asarray(ids, dtype=np.int64)]
+        return torch.from_numpy(_as_f32(np.ascontiguousarray(rows).reshape(-1), t.dtype).reshape(len(ids), t.shape[1]))
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = self.model(inputs_embeds=self.embed(ids)[None]).last_hidden_state[0]
+        return out.numpy()
