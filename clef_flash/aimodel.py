@@ -218,7 +218,7 @@ def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str
     return program
 
 
-def save_streamed(program, asset_dir: Path, metadata):
+def save_streamed(program, asset_dir: Path, metadata, write_hash: bool = True):
     """``save_asset`` without reading ``main.mlirb`` back whole (it does, to hash it: 16 GB of
     anonymous memory for a 9B backbone): the asset folder and its metadata through coreai's own
     writer, the bytecode serialised to its file, ``main.hash`` its sha256 taken in blocks. Private
@@ -237,7 +237,8 @@ def save_streamed(program, asset_dir: Path, metadata):
         m._producer = _COREAI_PRODUCER  # noqa: SLF001
 
     asset.update_metadata(updates=_stamp)
-    asset._program_hash_path.write_bytes(bytes.fromhex(sha256_file(asset._program_bytecode_path)))  # noqa: SLF001
+    if write_hash:  # ``save`` writes it once, after the blobs are renamed
+        asset._program_hash_path.write_bytes(bytes.fromhex(sha256_file(asset._program_bytecode_path)))  # noqa: SLF001
     return AIModelAsset._wrap(asset)  # noqa: SLF001
 
 
@@ -255,14 +256,15 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
     meta.author = description["author"]
     meta.license = description["license"]
     meta.model_description = description["description"]
-    asset = save_streamed(program, asset_dir, meta)
+    asset = save_streamed(program, asset_dir, meta, write_hash=False)
     epoch = source_date_epoch()
     if epoch is not None:
         asset.update_metadata(lambda m: setattr(m, "creation_date", float(epoch)))
     t0 = time.perf_counter()
-    renamed = stable_resource_names(asset_dir / MLIRB)
+    # one read of main.mlirb: every blob's sha256 (its new name) and the renamed file's (main.hash)
+    renamed, digest = stable_resource_names(asset_dir / MLIRB)
     log(f"{renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s")
-    atomic_write_bytes(asset_dir / HASH, bytes.fromhex(sha256_file(asset_dir / MLIRB)))
+    atomic_write_bytes(asset_dir / HASH, bytes.fromhex(digest))
     # the runtime writes its keys in hash-map order; the same content in a fixed order
     meta_path = asset_dir / "metadata.json"
     atomic_write_bytes(meta_path, dumps_json(json.loads(meta_path.read_text(encoding="utf-8")), sort_keys=True))

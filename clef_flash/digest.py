@@ -16,16 +16,19 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def tree_files(root: Path) -> dict[str, str]:
+def tree_files(root: Path, known: dict[str, str] | None = None) -> dict[str, str]:
     """Every regular file under ``root`` (relative POSIX path -> sha256), sorted; a symlink is
-    listed as ``symlink`` and never followed."""
+    listed as ``symlink`` and never followed. ``known``: digests this process has just taken of
+    files it wrote (a 16 GB ``main.mlirb`` is not read again for them)."""
     root = Path(root)
+    known = known or {}
     out: dict[str, str] = {}
     for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
         if p.is_symlink():
-            out[p.relative_to(root).as_posix()] = "symlink"
+            out[rel] = "symlink"
         elif p.is_file():
-            out[p.relative_to(root).as_posix()] = sha256_file(p)
+            out[rel] = known[rel] if rel in known else sha256_file(p)
     return out
 
 

@@ -232,8 +232,35 @@ def _strings_and_entries(fh, sections: list[Section]):
     return strings, entries
 
 
-def stable_resource_names(path: Path, prefix: str = "w_") -> int:
-    """Rename every resource of ``path`` after the sha256 of its bytes, in place; returns how many.
+def _hash_prefix(fh, end: int, spans: list[tuple[int, int]]) -> tuple["hashlib._Hash", list[str]]:
+    """One sequential read of the file's first ``end`` bytes: the sha256 of those bytes, and of each
+    ``(start, size)`` span within them (sorted, not overlapping): the blobs hashed on the way."""
+    whole = hashlib.sha256()
+    parts = [hashlib.sha256() for _ in spans]
+    fh.seek(0)
+    pos, i = 0, 0
+    while pos < end:
+        chunk = fh.read(min(_CHUNK * 32, end - pos))
+        if not chunk:
+            raise BytecodeError(f"unexpected end at byte {pos}")
+        whole.update(chunk)
+        stop = pos + len(chunk)
+        while i < len(spans) and spans[i][0] < stop:
+            a, size = spans[i]
+            lo, hi = max(a, pos), min(a + size, stop)
+            if hi > lo:
+                parts[i].update(memoryview(chunk)[lo - pos:hi - pos])
+            if a + size <= stop:
+                i += 1
+            else:
+                break
+        pos = stop
+    return whole, [h.hexdigest() for h in parts]
+
+
+def stable_resource_names(path: Path, prefix: str = "w_") -> tuple[int, str]:
+    """Rename every resource of ``path`` after the sha256 of its bytes, in place; returns how many,
+    and the sha256 of the renamed file (taken in the same single read: ``main.hash`` needs it).
 
     The string section must come after the resource section (MLIR's writer puts it there); the
     file is cut at the string section and everything from there on is written again."""
@@ -242,19 +269,26 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> int:
     with open(path, "r+b") as fh:
         sections = _sections(fh, size)
         strings, entries = _strings_and_entries(fh, sections)
-        if not entries:
-            return 0
         ids = [s.id for s in sections]
         string_at = ids.index(STRING)
+        tail_start = sections[string_at].header
+        if not entries:
+            whole, _ = _hash_prefix(fh, size, [])
+            return 0, whole.hexdigest()
         if RESOURCE in ids and ids.index(RESOURCE) > string_at:
             raise BytecodeError("the string section comes before the resource section")
         resource = sections[ids.index(RESOURCE)]
+        spans, offset = [], resource.start
+        for _key, entry_size, kind in entries:
+            spans.append(_blob_span(fh, offset, entry_size, kind))
+            offset += entry_size
+        if offset != resource.start + resource.length:
+            raise BytecodeError("resource entries do not fill the resource section")
+        whole, digests = _hash_prefix(fh, tail_start, spans)
         renamed: dict[int, bytes] = {}
         used = set(strings) - {strings[k] for k, _, _ in entries}  # names that must stay free
-        offset = resource.start
-        for key, entry_size, kind in entries:
-            name = f"{prefix}{_blob_digest(fh, offset, entry_size, kind)[:20]}".encode()
-            offset += entry_size
+        for (key, _size, _kind), digest in zip(entries, digests):
+            name = f"{prefix}{digest[:20]}".encode()
             n = 1
             base = name
             while name in used:  # two blobs with the same bytes under two keys: keep them apart
@@ -262,10 +296,7 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> int:
                 n += 1
             used.add(name)
             renamed[key] = name
-        if offset != resource.start + resource.length:
-            raise BytecodeError("resource entries do not fill the resource section")
         new_strings = [renamed.get(i, s) for i, s in enumerate(strings)]
-        tail_start = sections[string_at].header
         tail = bytearray()
         for sec in sections[string_at:]:
             fh.seek(sec.start)
@@ -283,7 +314,8 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> int:
         fh.truncate(tail_start)
         fh.seek(tail_start)
         fh.write(tail)
-    return len(renamed)
+        whole.update(tail)
+    return len(renamed), whole.hexdigest()
 
 
 def _resource_groups(offsets: bytes) -> tuple[list, list]:

@@ -196,6 +196,16 @@ def test_streamed_save_writes_what_save_asset_writes(tmp_path):
     meta_a.pop("creationDate", None), meta_b.pop("creationDate", None)
     assert {k for k in meta_a if "date" not in k.lower()} == {k for k in meta_b if "date" not in k.lower()}
 
+    # the rename pass reads the file once: each blob's name and the renamed file's sha256 from it
+    from clef_flash.digest import sha256_file
+    from clef_flash.mlirb import resource_names, stable_resource_names
+
+    before = resource_names(b / "main.mlirb")
+    count, digest = stable_resource_names(b / "main.mlirb")
+    assert count == len(before) >= 1 and resource_names(b / "main.mlirb") != before
+    assert digest == sha256_file(b / "main.mlirb")
+    assert all(n.startswith("w_") for n in resource_names(b / "main.mlirb"))
+
 
 def lambda_module(lin):
     import torch

@@ -119,7 +119,9 @@ def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
                 if digest != info["files"][f]:  # the file changed since it was checked
                     raise IntegrityError(f"{source / f}: changed while the bundle was built")
                 tokenizer[f] = digest
-        outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir).items()}
+        # main.hash: the sha256 save took of main.mlirb in the pass that named its blobs (not read again)
+        known = {"main.mlirb": (asset_dir / "main.hash").read_bytes().hex()}
+        outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir, known).items()}
         outputs.update({f"{TOKENIZER_DIR}/{k}": v for k, v in tokenizer.items()})
         mlirb = asset_dir / "main.mlirb"
         seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
