@@ -234,27 +234,36 @@ def _strings_and_entries(fh, sections: list[Section]):
 
 def _hash_prefix(fh, end: int, spans: list[tuple[int, int]]) -> tuple["hashlib._Hash", list[str]]:
     """One sequential read of the file's first ``end`` bytes: the sha256 of those bytes, and of each
-    ``(start, size)`` span within them (sorted, not overlapping): the blobs hashed on the way."""
+    ``(start, size)`` span within them (sorted, not overlapping): the blobs hashed on the way. The
+    whole-file hash runs in a second thread (hashlib releases the GIL), so both take one hash's time."""
+    from concurrent.futures import ThreadPoolExecutor
+
     whole = hashlib.sha256()
     parts = [hashlib.sha256() for _ in spans]
     fh.seek(0)
     pos, i = 0, 0
-    while pos < end:
-        chunk = fh.read(min(_CHUNK * 32, end - pos))
-        if not chunk:
-            raise BytecodeError(f"unexpected end at byte {pos}")
-        whole.update(chunk)
-        stop = pos + len(chunk)
-        while i < len(spans) and spans[i][0] < stop:
-            a, size = spans[i]
-            lo, hi = max(a, pos), min(a + size, stop)
-            if hi > lo:
-                parts[i].update(memoryview(chunk)[lo - pos:hi - pos])
-            if a + size <= stop:
-                i += 1
-            else:
-                break
-        pos = stop
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
+        while pos < end:
+            chunk = fh.read(min(_CHUNK * 32, end - pos))
+            if not chunk:
+                raise BytecodeError(f"unexpected end at byte {pos}")
+            if pending is not None:
+                pending.result()  # in order: the previous chunk is in the whole-file hash
+            pending = pool.submit(whole.update, chunk)
+            stop = pos + len(chunk)
+            while i < len(spans) and spans[i][0] < stop:
+                a, size = spans[i]
+                lo, hi = max(a, pos), min(a + size, stop)
+                if hi > lo:
+                    parts[i].update(memoryview(chunk)[lo - pos:hi - pos])
+                if a + size <= stop:
+                    i += 1
+                else:
+                    break
+            pos = stop
+        if pending is not None:
+            pending.result()
     return whole, [h.hexdigest() for h in parts]
 
 

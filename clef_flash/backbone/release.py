@@ -26,8 +26,10 @@ def read_files(source: Path) -> list[str]:
 
 
 def verify_files(source: Path, pins: Pins, pins_path: Path, names: list[str], log=lambda m: None) -> dict[str, str]:
-    """sha256 of each file against its pin; ``IntegrityError`` naming the first that fails."""
-    out = {}
+    """sha256 of each file against its pin; ``IntegrityError`` naming the first that fails. The files
+    are hashed two at a time (sha256 runs at about 0.6 GB/s a core here; hashlib releases the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     for name in names:
         path = source / name
         if name not in pins.files:
@@ -35,13 +37,20 @@ def verify_files(source: Path, pins: Pins, pins_path: Path, names: list[str], lo
                                  f"backbone's files are pinned")
         if not path.is_file():
             raise IntegrityError(f"{path}: missing")
-        if path.stat().st_size > (256 << 20):
-            log(f"hashing {name} ({path.stat().st_size:,} bytes)")
-        actual = sha256_file(path)
-        if actual != pins.files[name]:
-            raise IntegrityError(f"{path}: sha256 mismatch (expected {pins.files[name][:12]}…, got {actual[:12]}…)")
-        out[name] = actual
-    return out
+
+    def digest(name: str) -> str:
+        size = (source / name).stat().st_size
+        if size > (256 << 20):
+            log(f"hashing {name} ({size:,} bytes)")
+        return sha256_file(source / name)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        actual = dict(zip(names, pool.map(digest, names)))
+    for name in names:
+        if actual[name] != pins.files[name]:
+            raise IntegrityError(f"{source / name}: sha256 mismatch (expected {pins.files[name][:12]}…, "
+                                 f"got {actual[name][:12]}…)")
+    return actual
 
 
 def tokenizer_pad(source: Path) -> int | None:
