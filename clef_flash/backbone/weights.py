@@ -191,18 +191,14 @@ class Fp16Weights:
             raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
         return _as_f32(raw, t.dtype).reshape(t.shape).copy()
 
-    def _blocks(self, t: TensorInfo):
-        """The tensor as fp32 row blocks ``(r0, r1, values)`` (torch, converted on all cores), read
-        from the shard with large ``readinto`` calls into one reused buffer (page-faulting a mapping
-        of the shard cost a third of this stage)."""
-        import torch
-
+    def _raw_blocks(self, t: TensorInfo):
+        """The tensor's bytes as row blocks ``(r0, r1, raw uint8)``, read from the shard with large
+        ``readinto`` calls into one reused buffer (page-faulting a mapping of the shard cost a third
+        of this stage)."""
         item = _ITEMSIZE[t.dtype]
         rows = t.shape[0]
         row_elems = int(np.prod(t.shape[1:]))
         step = max(1, _BLOCK_BYTES // (row_elems * item))
-        view = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
-        np_dtype, torch_dtype = view[t.dtype]
         buf = np.empty(min(rows, step) * row_elems * item, dtype=np.uint8)
         with open(self.folder / t.file, "rb", buffering=0) as fh:
             for r0 in range(0, rows, step):
@@ -215,14 +211,32 @@ class Fp16Weights:
                     if not k:
                         raise IntegrityError(f"{self.folder / t.file}: ends inside {t.name}")
                     got += k
-                yield r0, r1, torch.from_numpy(buf[:n].view(np_dtype)).view(torch_dtype).float()
+                yield r0, r1, buf[:n]
+
+    def _blocks(self, t: TensorInfo):
+        """The tensor as fp32 row blocks ``(r0, r1, values)`` (torch, converted on all cores)."""
+        import torch
+
+        view = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
+        np_dtype, torch_dtype = view[t.dtype]
+        for r0, r1, raw in self._raw_blocks(t):
+            yield r0, r1, torch.from_numpy(raw.view(np_dtype)).view(torch_dtype).float()
 
     def _exponent(self, t: TensorInfo) -> int:
-        """The largest k with max |W| * 2**k <= 2**SCALE_TARGET (0 for an all-zero tensor)."""
+        """The largest k with max |W| * 2**k <= 2**SCALE_TARGET (0 for an all-zero tensor). For bf16
+        the largest magnitude is the largest of the bit patterns with the sign cleared (the order of
+        finite bf16 magnitudes is the order of their bits): an integer max, no conversion."""
         top = 0.0
-        for _, _, block in self._blocks(t):
-            if block.numel():  # no |block| temporary: the larger of max and -min
-                top = max(top, float(block.max()), -float(block.min()))
+        if t.dtype == "BF16":
+            bits = 0
+            for _, _, raw in self._raw_blocks(t):
+                if raw.size:
+                    bits = max(bits, int((raw.view("<u2") & 0x7FFF).max()))
+            top = float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
+        else:
+            for _, _, block in self._blocks(t):
+                if block.numel():  # no |block| temporary: the larger of max and -min
+                    top = max(top, float(block.max()), -float(block.min()))
         if top == 0.0 or not np.isfinite(top):
             return 0
         # bounded so that 2**-k stays a normal fp32 number (a subnormal constant would be flushed too)
