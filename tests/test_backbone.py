@@ -234,6 +234,9 @@ def test_builds_land_with_manifest_states_and_tokenizer(built, releases):
         assert m.interface.state_order == ["keyCache", "valueCache", "convState", "recState"]
         assert rec["verify"]["ok"] and set(rec["verify"]["red"]) == {"state_reset", "positions_late"}
         assert len(rec["verify"]["records"]) == 6
+        # the gate's compiled copy went to a folder in the staged bundle and left with the gate
+        assert sorted(p.name for p in bundle.iterdir()) == sorted([f"{bundle.name}.aimodel", "build-record.json",
+                                                                   "metadata.json", "tokenizer"])
         rel = releases["tiny" if key.startswith("tiny") else "other"]
         for f, digest in m.tokenizer.items():
             assert (bundle / "tokenizer" / f).read_bytes() == (rel / f).read_bytes()

@@ -155,7 +155,8 @@ def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
             log("verifying the saved backbone against transformers' text model")
             report = verify_backbone(BackboneVerifyConfig(bundle=tmp, source=source, pins_path=cfg.pins_path,
                                                           seed=recipe.verify.seed, long_record=recipe.long_record,
-                                                          numeric_max_parameters=recipe.verify.numeric_max_parameters),
+                                                          numeric_max_parameters=recipe.verify.numeric_max_parameters,
+                                                          scratch=tmp),  # the compiled copy on the output's disk
                                      log=log)
             record["verify"] = report.summary()
             report.raise_for_failures()

@@ -70,6 +70,7 @@ class BackboneVerifyConfig:
     numeric_max_parameters: int | None = None  # None: NUMERIC_MAX_PARAMETERS for the bundle's compute
     red: bool = True
     weights: bool = True  # every 2-D+ weight in main.mlirb against the release, streamed (asset_weights)
+    scratch: Path | None = None  # where the runtime's compiled copy goes (build: the staged bundle, on the output's disk)
 
 
 @dataclass
@@ -289,7 +290,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         async def run_all():
             out = []
             calls = sum(host.chunks_for(len(records[name]), chunk) for name, _ in plan)
-            async with runner(asset, text.state_shapes(context), state_dtype) as (call, new_states):
+            async with runner(asset, text.state_shapes(context), state_dtype, cfg.scratch) as (call, new_states):
                 with progress("gate: main, chunk by chunk", calls, "calls") as tick:
                     counted = counting(call, tick)
                     for name, arm in plan:

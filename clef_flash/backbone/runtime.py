@@ -16,8 +16,9 @@ _NP = {"fp16": np.float16, "fp32": np.float32}
 
 
 @contextlib.asynccontextmanager
-async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dtype: str):
-    """``(call, new_states)``: ``call(inputs, states) -> hidden [S, H]`` fp32."""
+async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dtype: str, scratch: Path | None = None):
+    """``(call, new_states)``: ``call(inputs, states) -> hidden [S, H]`` fp32. The runtime's compiled
+    copy goes to a folder of this process's own under ``scratch`` (default: the temp folder)."""
     from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
@@ -25,7 +26,7 @@ async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dt
     from ..tmpdirs import owned_tempdir
 
     # the runtime's own lines off the terminal unless --verbose; its compiled copy in a folder no kill strands
-    with native_stderr(), owned_tempdir():
+    with native_stderr(), owned_tempdir(scratch):
         async with AIModelAsset.load(Path(asset)).executable() as model:
             fn = model.load_function(FUNCTION)
             if fn is None:
