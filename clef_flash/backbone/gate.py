@@ -37,9 +37,11 @@ from .contract import FUNCTION
 # a few outlier dimensions, so a bar relative to each element would be meaningless near zero).
 TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
     "fp32": {
-        "rel_max_abs_d": (1e-5, "fp32 compute on fp16 weights that hold the bf16 values exactly (stored scaled by powers of "
+        "rel_max_abs_d": (1e-4, "fp32 compute on fp16 weights that hold the bf16 values exactly (stored scaled by powers of "
                                 "two, so none is an fp16 subnormal the runtime would flush): only fp32 accumulation order "
-                                "differs, measured 3.8e-7 on the tiny release (4,033 tokens); flushed subnormals gave 2.1e-4"),
+                                "differs. Measured 3.8e-7 at tiny width, 8e-6 to 2.1e-5 at the real-width slice (sums over "
+                                "4,096 and 12,288 terms), where transformers' own fp32 forward is 3.7e-6 to 1.6e-5 from its "
+                                "fp64 forward; flushed subnormals gave 2.1e-4 at tiny width, the red arms 0.1 and more"),
         "min_row_cosine": (0.999999, "every row points the same way as the reference's to fp32 accumulation noise"),
     },
     "fp16": {

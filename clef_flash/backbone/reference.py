@@ -23,19 +23,20 @@ from .contract import LM
 from .weights import TensorInfo, _as_f32, locate
 
 
-def _read(folder: Path, t: TensorInfo):
+def _read(folder: Path, t: TensorInfo, dtype):
     import torch
 
     with open(folder / t.file, "rb") as fh:
         fh.seek(t.offset)
         raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
-    return torch.from_numpy(_as_f32(raw, t.dtype).reshape(t.shape).copy())
+    return torch.from_numpy(_as_f32(raw, t.dtype).reshape(t.shape).copy()).to(dtype)
 
 
 class StreamedTextModel:
     """``rows(ids) -> hidden [T, H]`` fp32: transformers' text model, one layer in memory at a time."""
 
-    def __init__(self, source: Path) -> None:
+    def __init__(self, source: Path, dtype=None) -> None:
+        """``dtype``: torch.float32 (the gate's) or torch.float64 (how far fp32 itself is from exact)."""
         import torch
 
         from ..reference import import_reference
@@ -47,12 +48,14 @@ class StreamedTextModel:
 
         tf_logging.set_verbosity_error()
         self.source = Path(source)
+        self.dtype = dtype or torch.float32
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = Qwen3_5Config.from_pretrained(self.source).text_config
             with torch.device("meta"):
                 model = Qwen3_5TextModel(config)
             model.rotary_emb = Qwen3_5TextRotaryEmbedding(config=config)  # its tables computed on the CPU
+            model.rotary_emb.to(self.dtype)
         self.model = model.eval()
         wanted = {f"{LM}{n}": tuple(p.shape) for n, p in model.named_parameters()}
         self.infos = locate(self.source, wanted)
@@ -67,7 +70,7 @@ class StreamedTextModel:
         for name, p in list(module.named_parameters()):
             owner, _, attr = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
-            target._parameters[attr] = torch.nn.Parameter(_read(self.source, self.infos[f"{LM}{prefix}{name}"]),
+            target._parameters[attr] = torch.nn.Parameter(_read(self.source, self.infos[f"{LM}{prefix}{name}"], self.dtype),
                                                           requires_grad=False)
 
     def _drop(self, module) -> None:
@@ -84,7 +87,8 @@ class StreamedTextModel:
         t = self.infos[f"{LM}embed_tokens.weight"]
         table = np.memmap(self.source / t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
         rows = table.reshape(t.shape[0], -1)[np.asarray(ids, dtype=np.int64)]
-        return torch.from_numpy(_as_f32(np.ascontiguousarray(rows).reshape(-1), t.dtype).reshape(len(ids), t.shape[1]))
+        values = _as_f32(np.ascontiguousarray(rows).reshape(-1), t.dtype).reshape(len(ids), t.shape[1])
+        return torch.from_numpy(values).to(self.dtype)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
         import torch
@@ -92,4 +96,4 @@ class StreamedTextModel:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.model(inputs_embeds=self.embed(ids)[None]).last_hidden_state[0]
-        return out.numpy()
+        return out.float().numpy() if self.dtype == torch.float32 else out.numpy()
