@@ -245,7 +245,7 @@ def _hash_prefix(fh, end: int, spans: list[tuple[int, int]]) -> tuple["hashlib._
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = None
         while pos < end:
-            chunk = fh.read(min(_CHUNK * 32, end - pos))
+            chunk = fh.read(min(_CHUNK * 8, end - pos))  # 8 MB: two in flight
             if not chunk:
                 raise BytecodeError(f"unexpected end at byte {pos}")
             if pending is not None:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, input_shapes
+from .weights import release_freed_memory
 
 STATE_DTYPES = {"fp32": "fp32", "fp16": "fp16"}  # compute -> the states' storage dtype
 
@@ -55,6 +56,7 @@ def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str
         warnings.simplefilter("ignore")
         ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
         log(f"traced {len(cfg.layer_types)} layers in {time.perf_counter() - t0:.1f} s")
+        release_freed_memory()
         t0 = time.perf_counter()
         ep = ep.run_decompositions(import_toolchain().get_decomp_table())
     ep.example_inputs = None
@@ -140,6 +142,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     weights = load_weights(source, weight_names(cfg), asset_dir.parent, log, scaled=job["compute"] == "fp32",
                            defer=job.get("overlap", True))
     module = DecoderChunk(cfg, ch, weights.tensors(), job["compute"], exponents=weights.exponents)
+    release_freed_memory()
     t_weights = time.perf_counter() - t0
     state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
     try:

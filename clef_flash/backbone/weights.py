@@ -38,9 +38,24 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 _BLOCK_BYTES = 32 << 20  # rows converted at a time: the anonymous memory this stage needs
+# beside the trace (``fill``), smaller blocks: that memory adds to the trace's own peak
+_FILL_BLOCK_BYTES = 8 << 20
 _ALIGN = 64  # each tensor starts at a 64-byte offset in the scratch file
 SCALE_BOUND = 64  # |k| at most: 2**-64 and 2**64 are normal fp32 numbers
 SCALE_TARGET = 14  # scaled tensors' max |x| <= 2**14: fp16's top binade (2**15) stays unused, so no rounding overflows
+
+
+def release_freed_memory() -> None:
+    """glibc keeps freed heap memory for reuse; hand it back to the kernel between stages, so the
+    peak of one stage does not sit under the peak of the next (``malloc_trim``; a no-op elsewhere)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass(frozen=True)
@@ -176,12 +191,13 @@ class Fp16Weights:
         t0 = time.perf_counter()
         try:
             for t, at, k in self._todo:
-                self._convert(t, self._fd, at, k)
+                self._convert(t, self._fd, at, k, _FILL_BLOCK_BYTES)
         finally:
             self._todo = []
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
+            release_freed_memory()  # this thread's blocks, before the trace's peak
         self._log(f"{self.fp16_bytes:,} fp16 bytes converted into the scratch file in {time.perf_counter() - t0:.1f} s")
         return time.perf_counter() - t0
 
@@ -191,14 +207,14 @@ class Fp16Weights:
             raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
         return _as_f32(raw, t.dtype).reshape(t.shape).copy()
 
-    def _raw_blocks(self, t: TensorInfo):
+    def _raw_blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
         """The tensor's bytes as row blocks ``(r0, r1, raw uint8)``, read from the shard with large
         ``readinto`` calls into one reused buffer (page-faulting a mapping of the shard cost a third
         of this stage)."""
         item = _ITEMSIZE[t.dtype]
         rows = t.shape[0]
         row_elems = int(np.prod(t.shape[1:]))
-        step = max(1, _BLOCK_BYTES // (row_elems * item))
+        step = max(1, block_bytes // (row_elems * item))
         buf = np.empty(min(rows, step) * row_elems * item, dtype=np.uint8)
         with open(self.folder / t.file, "rb", buffering=0) as fh:
             for r0 in range(0, rows, step):
@@ -213,13 +229,13 @@ class Fp16Weights:
                     got += k
                 yield r0, r1, buf[:n]
 
-    def _blocks(self, t: TensorInfo):
+    def _blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
         """The tensor as fp32 row blocks ``(r0, r1, values)`` (torch, converted on all cores)."""
         import torch
 
         view = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
         np_dtype, torch_dtype = view[t.dtype]
-        for r0, r1, raw in self._raw_blocks(t):
+        for r0, r1, raw in self._raw_blocks(t, block_bytes):
             yield r0, r1, torch.from_numpy(raw.view(np_dtype)).view(torch_dtype).float()
 
     def _exponent(self, t: TensorInfo) -> int:
@@ -242,14 +258,14 @@ class Fp16Weights:
         # bounded so that 2**-k stays a normal fp32 number (a subnormal constant would be flushed too)
         return max(-SCALE_BOUND, min(SCALE_BOUND, SCALE_TARGET - int(np.ceil(np.log2(top)))))
 
-    def _convert(self, t: TensorInfo, fd: int, at: int, k: int = 0) -> None:
+    def _convert(self, t: TensorInfo, fd: int, at: int, k: int = 0, block_bytes: int = _BLOCK_BYTES) -> None:
         """Row blocks of the shard -> fp16 (times 2**k) written at ``at`` in the scratch file; a
         value beyond fp16's range is an error naming the tensor, never a silent inf."""
         import torch
 
         row_bytes = int(np.prod(t.shape[1:])) * 2
         half = None
-        for r0, r1, block in self._blocks(t):
+        for r0, r1, block in self._blocks(t, block_bytes):
             if k:
                 block.mul_(2.0 ** k)  # exact: a power of two
             if half is None:
