@@ -176,16 +176,15 @@ def _blob_span(fh, start: int, size: int, kind: int) -> tuple[int, int]:
     return data_start, data_size
 
 
-def _blob_digest(fh, start: int, size: int, kind: int) -> str:
-    """sha256 of a blob entry's data (its alignment and size prefix excluded)."""
-    data_start, data_size = _blob_span(fh, start, size, kind)
+def blob_sha256(fh, blob: Blob) -> str:
+    """sha256 of a blob's data, read where it lies in the open file ``fh``."""
     h = hashlib.sha256()
-    fh.seek(data_start)
-    left = data_size
+    fh.seek(blob.start)
+    left = blob.size
     while left:
-        chunk = fh.read(min(_CHUNK, left))
+        chunk = fh.read(min(_CHUNK * 8, left))
         if not chunk:
-            raise BytecodeError(f"blob at byte {start} is truncated")
+            raise BytecodeError(f"blob {blob.name} at byte {blob.start} is truncated")
         h.update(chunk)
         left -= len(chunk)
     return h.hexdigest()

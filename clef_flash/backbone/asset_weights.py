@@ -2,9 +2,9 @@
 that needs no runtime, so it runs at any size (the 9B included) in a few MB of memory.
 
 The release side: each tensor of two or more dimensions read from its shard in row blocks,
-converted here with numpy (bf16 -> fp32 by a shift, times ``2**k`` for the fp32-compute recipes,
-rounded to fp16: an implementation of its own, not the build's torch path), and hashed as fp16
-bytes; a small tensor also as those fp16 values widened to fp32 (the Core AI compiler folds the
+converted here with numpy (bf16 -> fp32 by a shift, times ``2**k`` for the fp32-compute recipes
+with ``k`` by the build's rule ``weights.scale_exponent``, rounded to fp16; numpy, not the build's
+torch path), and hashed as fp16 bytes; a small tensor also as those fp16 values widened to fp32 (the Core AI compiler folds the
 fp32 cast of a small fp16 constant into an fp32 blob). The asset side: every blob of
 ``main.mlirb`` located from the bytecode's resource section and hashed where it lies. A tensor
 whose bytes are in no blob is a failure naming it. The two sides run in two threads (hashlib and
@@ -17,6 +17,7 @@ into derived constants (``1 + w``, ``-exp(A_log)``); the numeric gate covers the
 from __future__ import annotations
 
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IntegrityError
-from ..mlirb import Blob, BytecodeError, blobs
-from .weights import SCALE_BOUND, SCALE_TARGET, TensorInfo
+from ..mlirb import Blob, BytecodeError, blob_sha256, blobs
+from .weights import TensorInfo, as_f32, raw_blocks, scale_exponent
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side
 # the fp32 form is hashed for tensors up to this many values: the compiler folds the cast of fp16
@@ -70,40 +71,9 @@ class WeightsReport:
 
 
 def _rows(folder: Path, t: TensorInfo):
-    """The tensor's raw values in row blocks, read into one reused buffer."""
-    item = {"BF16": 2, "F16": 2, "F32": 4}[t.dtype]
-    row = int(np.prod(t.shape[1:])) * item
-    step = max(1, _BLOCK // row)
-    buf = bytearray(min(t.shape[0], step) * row)
-    with open(folder / t.file, "rb", buffering=0) as fh:
-        fh.seek(t.offset)
-        for r0 in range(0, t.shape[0], step):
-            n = (min(t.shape[0], r0 + step) - r0) * row
-            mv, got = memoryview(buf)[:n], 0
-            while got < n:
-                k = fh.readinto(mv[got:])
-                if not k:
-                    raise IntegrityError(f"{folder / t.file}: ends inside {t.name}")
-                got += k
-            yield _f32(np.frombuffer(buf, dtype=np.uint8, count=n), t.dtype)
-
-
-def _f32(raw: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "BF16":
-        return np.left_shift(raw.view("<u2").astype(np.uint32), 16).view(np.float32)
-    return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32)
-
-
-def exponent_of(top: float) -> int:
-    """The k the fp32-compute recipes scale by: the largest with ``top * 2**k <= 2**SCALE_TARGET``."""
-    if top == 0.0 or not np.isfinite(top):
-        return 0
-    k = SCALE_TARGET
-    while k > -SCALE_BOUND and top * 2.0 ** k > 2.0 ** SCALE_TARGET:
-        k -= 1
-    while k < SCALE_BOUND and top * 2.0 ** (k + 1) <= 2.0 ** SCALE_TARGET:
-        k += 1
-    return k
+    """The tensor's values as fp32 row blocks."""
+    for _, _, raw in raw_blocks(folder, t, _BLOCK):
+        yield as_f32(raw, t.dtype)
 
 
 def expected(folder: Path, t: TensorInfo, scaled: bool) -> Expected:
@@ -113,7 +83,7 @@ def expected(folder: Path, t: TensorInfo, scaled: bool) -> Expected:
         for block in _rows(folder, t):
             if block.size:
                 top = max(top, float(np.max(np.abs(block))))
-        k = exponent_of(top)
+        k = scale_exponent(top)
     h16 = hashlib.sha256()
     h32 = hashlib.sha256() if int(np.prod(t.shape)) <= FOLD_MAX_VALUES else None
     scale = np.float32(2.0 ** k)
@@ -128,29 +98,15 @@ def expected(folder: Path, t: TensorInfo, scaled: bool) -> Expected:
 def blob_digests(mlirb: Path) -> list[tuple[Blob, str]]:
     try:
         found = blobs(mlirb)
+        with open(mlirb, "rb", buffering=0) as fh:
+            return [(b, blob_sha256(fh, b)) for b in found]
     except BytecodeError as exc:
         raise IntegrityError(f"{mlirb}: not readable MLIR bytecode ({exc})") from None
-    out = []
-    with open(mlirb, "rb", buffering=0) as fh:
-        for b in found:
-            h = hashlib.sha256()
-            fh.seek(b.start)
-            left = b.size
-            while left:
-                chunk = fh.read(min(_BLOCK, left))
-                if not chunk:
-                    raise IntegrityError(f"{mlirb}: ends inside blob {b.name}")
-                h.update(chunk)
-                left -= len(chunk)
-            out.append((b, h.hexdigest()))
-    return out
 
 
 def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: bool,
             log=lambda msg: None) -> WeightsReport:
     """The release's 2-D+ tensors against the blobs of ``mlirb`` (both hashed, in two threads)."""
-    import time
-
     t0 = time.perf_counter()
     big = sorted((t for t in infos.values() if len(t.shape) >= 2), key=lambda t: (t.file, t.offset))
     with ThreadPoolExecutor(max_workers=2) as pool:

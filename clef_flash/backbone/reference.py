@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .contract import LM
-from .weights import TensorInfo, _as_f32, locate
+from .weights import TensorInfo, as_f32, locate
 
 
 def _read(folder: Path, t: TensorInfo, dtype):
@@ -29,7 +29,7 @@ def _read(folder: Path, t: TensorInfo, dtype):
     with open(folder / t.file, "rb") as fh:
         fh.seek(t.offset)
         raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
-    return torch.from_numpy(_as_f32(raw, t.dtype).reshape(t.shape).copy()).to(dtype)
+    return torch.from_numpy(as_f32(raw, t.dtype).reshape(t.shape).copy()).to(dtype)
 
 
 class StreamedTextModel:
@@ -87,7 +87,7 @@ class StreamedTextModel:
         t = self.infos[f"{LM}embed_tokens.weight"]
         table = np.memmap(self.source / t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
         rows = table.reshape(t.shape[0], -1)[np.asarray(ids, dtype=np.int64)]
-        values = _as_f32(np.ascontiguousarray(rows).reshape(-1), t.dtype).reshape(len(ids), t.shape[1])
+        values = as_f32(np.ascontiguousarray(rows).reshape(-1), t.dtype).reshape(len(ids), t.shape[1])
         return torch.from_numpy(values).to(self.dtype)
 
     def rows(self, ids: np.ndarray) -> np.ndarray:

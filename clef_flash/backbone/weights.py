@@ -127,7 +127,7 @@ def locate(folder: Path, wanted: dict[str, tuple[int, ...]]) -> dict[str, Tensor
     return found
 
 
-def _as_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+def as_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "BF16":
         return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
     return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32)
@@ -136,6 +136,38 @@ def _as_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
 def scratch_bytes(infos: dict[str, TensorInfo]) -> int:
     """Bytes of the fp16 scratch file for these tensors (2-D and larger ones)."""
     return sum(-(-int(np.prod(t.shape)) * 2 // _ALIGN) * _ALIGN for t in infos.values() if len(t.shape) >= 2)
+
+
+def scale_exponent(top: float) -> int:
+    """The k a tensor of largest magnitude ``top`` is stored scaled by: the largest with
+    ``top * 2**k <= 2**SCALE_TARGET`` (0 for an all-zero or non-finite tensor), bounded so that
+    2**-k stays a normal fp32 number (a subnormal constant would be flushed too)."""
+    if top == 0.0 or not np.isfinite(top):
+        return 0
+    return max(-SCALE_BOUND, min(SCALE_BOUND, SCALE_TARGET - int(np.ceil(np.log2(top)))))
+
+
+def raw_blocks(folder: Path, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
+    """The tensor's bytes as row blocks ``(r0, r1, raw uint8)``, read from its shard with large
+    ``readinto`` calls into one reused buffer (page-faulting a mapping of the shard cost a third
+    of the weights stage)."""
+    item = _ITEMSIZE[t.dtype]
+    rows = t.shape[0]
+    row_elems = int(np.prod(t.shape[1:]))
+    step = max(1, block_bytes // (row_elems * item))
+    buf = np.empty(min(rows, step) * row_elems * item, dtype=np.uint8)
+    with open(Path(folder) / t.file, "rb", buffering=0) as fh:
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            n = (r1 - r0) * row_elems * item
+            fh.seek(t.offset + r0 * row_elems * item)
+            mv, got = memoryview(buf)[:n], 0
+            while got < n:
+                k = fh.readinto(mv[got:])
+                if not k:
+                    raise IntegrityError(f"{Path(folder) / t.file}: ends inside {t.name}")
+                got += k
+            yield r0, r1, buf[:n]
 
 
 class Fp16Weights:
@@ -205,29 +237,7 @@ class Fp16Weights:
         with open(self.folder / t.file, "rb") as fh:
             fh.seek(t.offset)
             raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
-        return _as_f32(raw, t.dtype).reshape(t.shape).copy()
-
-    def _raw_blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
-        """The tensor's bytes as row blocks ``(r0, r1, raw uint8)``, read from the shard with large
-        ``readinto`` calls into one reused buffer (page-faulting a mapping of the shard cost a third
-        of this stage)."""
-        item = _ITEMSIZE[t.dtype]
-        rows = t.shape[0]
-        row_elems = int(np.prod(t.shape[1:]))
-        step = max(1, block_bytes // (row_elems * item))
-        buf = np.empty(min(rows, step) * row_elems * item, dtype=np.uint8)
-        with open(self.folder / t.file, "rb", buffering=0) as fh:
-            for r0 in range(0, rows, step):
-                r1 = min(rows, r0 + step)
-                n = (r1 - r0) * row_elems * item
-                fh.seek(t.offset + r0 * row_elems * item)
-                mv, got = memoryview(buf)[:n], 0
-                while got < n:
-                    k = fh.readinto(mv[got:])
-                    if not k:
-                        raise IntegrityError(f"{self.folder / t.file}: ends inside {t.name}")
-                    got += k
-                yield r0, r1, buf[:n]
+        return as_f32(raw, t.dtype).reshape(t.shape).copy()
 
     def _blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
         """The tensor as fp32 row blocks ``(r0, r1, values)`` (torch, converted on all cores)."""
@@ -235,7 +245,7 @@ class Fp16Weights:
 
         view = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
         np_dtype, torch_dtype = view[t.dtype]
-        for r0, r1, raw in self._raw_blocks(t, block_bytes):
+        for r0, r1, raw in raw_blocks(self.folder, t, block_bytes):
             yield r0, r1, torch.from_numpy(raw.view(np_dtype)).view(torch_dtype).float()
 
     def _exponent(self, t: TensorInfo) -> int:
@@ -245,7 +255,7 @@ class Fp16Weights:
         top = 0.0
         if t.dtype == "BF16":
             bits = 0
-            for _, _, raw in self._raw_blocks(t):
+            for _, _, raw in raw_blocks(self.folder, t):
                 if raw.size:
                     bits = max(bits, int((raw.view("<u2") & 0x7FFF).max()))
             top = float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
@@ -253,10 +263,7 @@ class Fp16Weights:
             for _, _, block in self._blocks(t):
                 if block.numel():  # no |block| temporary: the larger of max and -min
                     top = max(top, float(block.max()), -float(block.min()))
-        if top == 0.0 or not np.isfinite(top):
-            return 0
-        # bounded so that 2**-k stays a normal fp32 number (a subnormal constant would be flushed too)
-        return max(-SCALE_BOUND, min(SCALE_BOUND, SCALE_TARGET - int(np.ceil(np.log2(top)))))
+        return scale_exponent(top)
 
     def _convert(self, t: TensorInfo, fd: int, at: int, k: int = 0, block_bytes: int = _BLOCK_BYTES) -> None:
         """Row blocks of the shard -> fp16 (times 2**k) written at ``at`` in the scratch file; a
