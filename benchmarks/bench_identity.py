@@ -1,8 +1,10 @@
 """``main.mlirb`` of the streamed route, byte for byte against the converter's own route, at a slice.
 
-The streamed route hands the converter the mapped fp16 arrays as resources
-(``export.constants_from_buffers``); the converter's own route lets it copy every constant the
-way it does for a model whose weights sit in memory. Same graph, same weights: the two
+The streamed route (what ``build`` runs) hands the converter the small tensors' mapped fp16 arrays
+as resources and each large one as a placeholder (``export.constants_from_buffers``), then writes
+``main.mlirb`` once with every large tensor converted from the release into its place
+(``mlirb.inflate``); the converter's own route converts every tensor first and lets the converter
+copy every constant the way it does for a model whose weights sit in memory. Same graph, same weights: the two
 ``main.mlirb`` files must be byte-identical. Each route runs in its own process (``memwatch``
 samples its peak anonymous + shared memory).
 

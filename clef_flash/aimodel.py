@@ -242,14 +242,18 @@ def save_streamed(program, asset_dir: Path, metadata, write_hash: bool = True):
     return AIModelAsset._wrap(asset)  # noqa: SLF001
 
 
-def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None) -> None:
+def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None,
+         fill=None) -> None:
     """``save_asset``, then the same bytes from the same content on any machine: weight blobs named
     after their bytes (the compiler keys them by a per-process hash), ``main.hash`` to match, the
-    asset's metadata in a fixed key order with ``SOURCE_DATE_EPOCH`` as its creation date."""
+    asset's metadata in a fixed key order with ``SOURCE_DATE_EPOCH`` as its creation date.
+
+    ``fill``: ``(sizes, supply)`` for resources the program declares empty (``mlirb.inflate``): the
+    bytecode is written small and ``main.mlirb`` rewritten once with their data, named as above."""
     from coreai.runtime import AIModelAssetMetadata
 
     from .bundle import atomic_write_bytes, dumps_json
-    from .mlirb import stable_resource_names
+    from .mlirb import inflate, stable_resource_names
     from .provenance import source_date_epoch
 
     meta = AIModelAssetMetadata()
@@ -261,9 +265,15 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
     if epoch is not None:
         asset.update_metadata(lambda m: setattr(m, "creation_date", float(epoch)))
     t0 = time.perf_counter()
-    # one read of main.mlirb: every blob's sha256 (its new name) and the renamed file's (main.hash)
-    renamed, digest = stable_resource_names(asset_dir / MLIRB)
-    log(f"{renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s")
+    if fill is None:
+        # one read of main.mlirb: every blob's sha256 (its new name) and the renamed file's (main.hash)
+        renamed, digest = stable_resource_names(asset_dir / MLIRB)
+    else:
+        part = asset_dir / (MLIRB + ".part")
+        renamed, digest = inflate(asset_dir / MLIRB, part, *fill)
+        os.replace(part, asset_dir / MLIRB)
+    log(f"{renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s"
+        + (f", {len(fill[0])} of them converted into place" if fill else ""))
     atomic_write_bytes(asset_dir / HASH, bytes.fromhex(digest))
     # the runtime writes its keys in hash-map order; the same content in a fixed order
     meta_path = asset_dir / "metadata.json"

@@ -266,6 +266,22 @@ def _hash_prefix(fh, end: int, spans: list[tuple[int, int]]) -> tuple["hashlib._
     return whole, [h.hexdigest() for h in parts]
 
 
+def _stable_strings(strings: list[bytes], keys: list[int], digests: list[str], prefix: str) -> list[bytes]:
+    """The string table with each resource key (``keys``, in resource order) renamed after its
+    blob's sha256; two blobs with the same bytes under two keys are kept apart by a suffix."""
+    renamed: dict[int, bytes] = {}
+    used = set(strings) - {strings[k] for k in keys}  # names that must stay free
+    for key, digest in zip(keys, digests):
+        name = base = f"{prefix}{digest[:20]}".encode()
+        n = 1
+        while name in used:
+            name = base + b"_%d" % n
+            n += 1
+        used.add(name)
+        renamed[key] = name
+    return [renamed.get(i, s) for i, s in enumerate(strings)]
+
+
 def stable_resource_names(path: Path, prefix: str = "w_") -> tuple[int, str]:
     """Rename every resource of ``path`` after the sha256 of its bytes, in place; returns how many,
     and the sha256 of the renamed file (taken in the same single read: ``main.hash`` needs it).
@@ -293,18 +309,7 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> tuple[int, str]:
         if offset != resource.start + resource.length:
             raise BytecodeError("resource entries do not fill the resource section")
         whole, digests = _hash_prefix(fh, tail_start, spans)
-        renamed: dict[int, bytes] = {}
-        used = set(strings) - {strings[k] for k, _, _ in entries}  # names that must stay free
-        for (key, _size, _kind), digest in zip(entries, digests):
-            name = f"{prefix}{digest[:20]}".encode()
-            n = 1
-            base = name
-            while name in used:  # two blobs with the same bytes under two keys: keep them apart
-                name = base + b"_%d" % n
-                n += 1
-            used.add(name)
-            renamed[key] = name
-        new_strings = [renamed.get(i, s) for i, s in enumerate(strings)]
+        new_strings = _stable_strings(strings, [k for k, _, _ in entries], digests, prefix)
         tail = bytearray()
         for sec in sections[string_at:]:
             fh.seek(sec.start)
@@ -323,7 +328,7 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> tuple[int, str]:
         fh.seek(tail_start)
         fh.write(tail)
         whole.update(tail)
-    return len(renamed), whole.hexdigest()
+    return len(entries), whole.hexdigest()
 
 
 def _resource_groups(offsets: bytes) -> tuple[list, list]:
@@ -410,3 +415,185 @@ def _write_groups(groups, sizes: list[int]) -> bytes:
         for key, _size, kind in g:
             out += varint(key) + varint(next(it)) + bytes([kind])
     return bytes(out)
+
+
+class _DirectWriter:
+    """Sequential writes through one page-aligned buffer with ``O_DIRECT``: the bytes go from the
+    buffer to the disk, not through the page cache (measured here: 1.2-1.6 GB/s against 0.3-1.2 GB/s
+    buffered, and no CPU spent copying into page cache). Where the file system refuses ``O_DIRECT``
+    the same writes are buffered. The last block is written padded and the file cut to its size."""
+
+    BLOCK = 8 << 20  # a multiple of every logical block size
+
+    def __init__(self, path: Path) -> None:
+        import mmap
+        import os
+
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self._os = os
+        try:
+            self.fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
+        except OSError:  # e.g. a tmpfs
+            self.fd = os.open(path, flags)
+        self.buf = mmap.mmap(-1, self.BLOCK)  # anonymous: page-aligned, as O_DIRECT needs
+        self.view = memoryview(self.buf)
+        self.used = 0
+        self.size = 0
+
+    def write(self, data) -> None:
+        data = memoryview(data).cast("B")
+        while data:
+            n = min(len(data), self.BLOCK - self.used)
+            self.view[self.used:self.used + n] = data[:n]
+            self.used += n
+            self.size += n
+            data = data[n:]
+            if self.used == self.BLOCK:
+                self._flush(self.BLOCK)
+
+    def _flush(self, n: int) -> None:
+        os = self._os
+        view = self.view[:n]
+        while view:
+            try:
+                view = view[os.write(self.fd, view):]
+            except OSError as exc:
+                import errno
+                import fcntl
+
+                if exc.errno != errno.EINVAL or not fcntl.fcntl(self.fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+                    raise
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # refused: buffered
+        self.used = 0
+
+    def abort(self) -> None:
+        self._os.close(self.fd)
+        self.view.release()
+        self.buf.close()
+
+    def close(self) -> None:
+        try:
+            if self.used:
+                tail = -(-self.used // 4096) * 4096  # whole blocks, cut back below
+                self.view[self.used:tail] = bytes(tail - self.used)
+                self._flush(tail)
+            self._os.ftruncate(self.fd, self.size)
+        finally:
+            self._os.close(self.fd)
+            self.view.release()
+            self.buf.close()
+
+
+def _section_header(sec_id: int, length: int, align: int | None, at: int) -> bytes:
+    """A section's header written at byte ``at``: with an alignment, padded so the data starts aligned."""
+    header = bytearray([sec_id | (0x80 if align else 0)]) + varint(length)
+    if align:
+        pos = at + len(header) + len(varint(align))
+        header += varint(align) + bytes([_PAD]) * ((-pos) % align)
+    return bytes(header)
+
+
+def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_") -> tuple[int, str]:
+    """Write ``out``: the bytecode ``path`` (small) with each blob whose data is a key of ``sizes`` (a
+    placeholder) given its ``sizes[key]`` bytes from ``supply(key)`` (an iterable of bytes-like
+    chunks, each left intact until the one after the next is asked for), and every resource
+    renamed after its sha256 as ``stable_resource_names`` does. Returns how many were renamed and the sha256 of
+    ``out``. The resource offsets come before the resources, and the names after them: the file is
+    written in one pass, each supplied byte hashed twice (its blob, the file) and written once.
+
+    The bytes are those of the converter's own writer given the data (a test holds it): each
+    blob's padding is relative to the resource section's start, which is aligned for every blob."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import io
+
+    data = Path(path).read_bytes()
+    sections = _sections(io.BytesIO(data), len(data))
+    by_id = {s.id: s for s in sections}
+    if RESOURCE not in by_id or RESOURCE_OFFSET not in by_id or STRING not in by_id:
+        raise BytecodeError(f"{path}: no resources to fill")
+    ids = [s.id for s in sections]
+    if not ids.index(RESOURCE_OFFSET) < ids.index(RESOURCE) < ids.index(STRING):
+        raise BytecodeError(f"{path}: sections in an order this writer does not follow ({ids})")
+    strings = _read_strings(data[by_id[STRING].start:by_id[STRING].start + by_id[STRING].length])
+    groups = _resource_groups(data[by_id[RESOURCE_OFFSET].start:by_id[RESOURCE_OFFSET].start + by_id[RESOURCE_OFFSET].length])
+    entries = [e for _, g in groups[0] + groups[1] for e in g]
+    # the new entries: (prefix bytes incl. padding, data: bytes, or the key of a placeholder to fill, data size)
+    plan, new_sizes, offset, at = [], [], by_id[RESOURCE].start, 0
+    left = dict(sizes)
+    for _key, entry_size, kind in entries:
+        if kind != 0:  # not a blob: its bytes as they are (hashed whole, as stable_resource_names does)
+            plan.append((b"", data[offset:offset + entry_size], entry_size))
+        else:
+            r = _Reader(data, offset)
+            align, size = r.varint(), r.varint()
+            start = r.pos if align <= 1 else (r.pos + align - 1) & ~(align - 1)
+            body: bytes | tuple = data[start:start + size]
+            if body in left:
+                body, size = (body,), left.pop(body)
+            head = varint(align) + varint(size)
+            head += bytes([_PAD]) * ((-(at + len(head))) % align if align > 1 else 0)
+            plan.append((head, body, size))
+        new_sizes.append(len(plan[-1][0]) + plan[-1][2])
+        at += new_sizes[-1]
+        offset += entry_size
+    if left:
+        raise BytecodeError(f"{path}: {len(left)} placeholder(s) to fill not found (merged or dropped by the compiler?)")
+    res_align = _Reader(data, by_id[RESOURCE].header + 1 + len(varint(by_id[RESOURCE].length))).varint()
+    offsets_data = _write_groups(groups, new_sizes)
+
+    whole = hashlib.sha256()
+    digests: list[str] = []
+    written = 0
+    fh = _DirectWriter(out)
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            def put(chunk) -> None:
+                nonlocal written
+                whole.update(chunk)
+                fh.write(chunk)
+                written += len(chunk)
+
+            put(data[:sections[0].header])
+            for sec in sections:
+                head = _Reader(data, sec.header)
+                aligned = bool(head.byte() & 0x80)
+                head.varint()
+                align = head.varint() if aligned else None
+                if sec.id == RESOURCE:
+                    put(_section_header(RESOURCE, at, res_align if aligned else None, written))
+                    for head_bytes, body, size in plan:
+                        put(head_bytes)
+                        blob = hashlib.sha256()
+                        if isinstance(body, tuple):
+                            got, hashing = 0, ()
+                            # the two hashes of a chunk run beside its write and the next chunk's conversion
+                            for chunk in supply(body[0]):
+                                for f in hashing:
+                                    f.result()
+                                hashing = (pool.submit(whole.update, chunk), pool.submit(blob.update, chunk))
+                                fh.write(chunk)
+                                got += len(chunk)
+                            for f in hashing:
+                                f.result()
+                            if got != size:
+                                raise BytecodeError(f"{out}: a placeholder got {got} bytes, {size} declared")
+                            written += got
+                        else:
+                            blob.update(body)
+                            put(body)
+                        digests.append(blob.hexdigest())
+                    continue
+                if sec.id == RESOURCE_OFFSET:
+                    body = offsets_data
+                elif sec.id == STRING:
+                    body = _write_strings(_stable_strings(strings, [k for k, _, _ in entries], digests, prefix))
+                else:
+                    body = data[sec.start:sec.start + sec.length]
+                put(_section_header(sec.id, len(body), align, written))
+                put(body)
+    except BaseException:
+        fh.abort()
+        raise
+    fh.close()
+    return len(entries), whole.hexdigest()

@@ -26,12 +26,11 @@ import numpy as np
 
 from ..errors import IntegrityError
 from ..mlirb import Blob, BytecodeError, blob_sha256, blobs
-from .weights import TensorInfo, as_f32, raw_blocks, scale_exponent
+from .weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side
-# the fp32 form is hashed for tensors up to this many values: the compiler folds the cast of fp16
-# constants up to about 131,072 values (measured); a larger folded one fails here, never passes
-FOLD_MAX_VALUES = 1 << 20
+# the fp32 form is hashed for tensors up to FOLD_MAX_VALUES values: the compiler folds the cast of
+# fp16 constants up to about 131,072 values (measured); a larger folded one fails here, never passes
 
 
 @dataclass(frozen=True)

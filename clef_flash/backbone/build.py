@@ -4,7 +4,7 @@
 The plan checks everything cheap first: the pins, every file the build reads against them (the
 config, every shard, the tokenizer files: a file the build would read and the pins do not name is
 refused), the configuration, the tensors' shapes (headers only), the output path and the free
-space for the scratch weights, the converter's temporary files and ``main.mlirb``. The bundle is
+space for ``main.mlirb`` and the numeric gate's compiled copy (``disk_need``). The bundle is
 built in a temporary sibling folder, so it lands whole or not at all.
 """
 
@@ -28,24 +28,32 @@ from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking
 from .contract import weight_names
 from .manifest import (HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface,
                        Language, TensorSpec)
-from .release import TOKENIZER_DIR, read_files, release_config, verify_files
-from .weights import locate, scratch_bytes
+from .release import TOKENIZER_DIR, BackgroundHashes, check_pinned, read_files, release_config, verify_files
+from .weights import locate, scratch_bytes, shard_files
 
 MARGIN = 64 << 20
-# the fp16 weights on the output's disk at once: the scratch file and main.mlirb (the converter
-# takes the scratch file's arrays as they are, ``export.constants_from_buffers``: no third copy)
-COPIES = 2
 
 
-def check_free_space(final: Path, need: int) -> None:
+def disk_need(fp16_bytes: int, numeric: bool) -> int:
+    """Bytes the build puts on the output's disk at its peak: ``main.mlirb`` (the fp16 weights once:
+    the large tensors are converted straight into it, ``mlirb.inflate``; the scratch file holds only
+    small ones), and where the numeric gate runs, the runtime's compiled copy with fp32 weights."""
+    return fp16_bytes + (2 * fp16_bytes if numeric else 0) + MARGIN
+
+
+def check_free_space(final: Path, need: int, numeric: bool) -> None:
     probe = next(p for p in [final.parent, *final.parent.parents] if p.exists())
     free = shutil.disk_usage(probe).free
     if free < need:
-        raise OutputError(f"{probe}: not enough free space for the backbone build (the fp16 weights twice: the "
-                          f"scratch file and main.mlirb; needs about {need:,} bytes, {free:,} free)")
+        what = "main.mlirb and the numeric gate's compiled fp32 copy" if numeric else "main.mlirb"
+        raise OutputError(f"{probe}: not enough free space for the backbone build ({what}; needs about "
+                          f"{need:,} bytes, {free:,} free)")
 
 
-def plan(cfg: BuildConfig, log=lambda m: None) -> dict[str, Any]:
+def plan(cfg: BuildConfig, log=lambda m: None, defer_shards: bool = False) -> dict[str, Any]:
+    """Everything checked before work. ``defer_shards``: the shards are checked to be pinned and
+    present here, and hashed while the export runs (``BackgroundHashes``, listed in "deferred");
+    a dry run hashes them here."""
     from ..source import resolve_source
 
     recipe = cfg.recipe
@@ -56,7 +64,9 @@ def plan(cfg: BuildConfig, log=lambda m: None) -> dict[str, Any]:
     if not source.is_dir():
         raise IntegrityError(f"{source}: source folder not found")
     names = read_files(source)
-    digests = verify_files(source, pins, cfg.pins_path, names, log)
+    later = [n for n in shard_files(source) if n in names] if defer_shards else []
+    check_pinned(source, pins, cfg.pins_path, names)
+    digests = verify_files(source, pins, cfg.pins_path, [n for n in names if n not in later], log)
     text = release_config(source)
     chunking = Chunking(recipe.chunk, recipe.context)
     try:
@@ -65,11 +75,12 @@ def plan(cfg: BuildConfig, log=lambda m: None) -> dict[str, Any]:
         raise IntegrityError(f"{source / BACKBONE_CONFIG}: {exc}") from None
     infos = locate(source, weight_names(text))
     fp16 = scratch_bytes(infos)
-    check_free_space(final, COPIES * fp16 + MARGIN)
     parameters = sum(int(__import__("math").prod(t.shape)) for t in infos.values())
+    numeric = bool(cfg.verify and recipe.verify.enabled and parameters <= recipe.verify.numeric_max_parameters)
+    check_free_space(final, disk_need(fp16, numeric), numeric)
     return {"recipe": str(cfg.recipe_path), "name": final.name, "model": "backbone", "bundle": str(final),
             "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
-            "files": digests, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,
+            "files": digests, "deferred": later, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,
             "parameters": parameters, "weight_fp16_bytes": fp16, "text_config": text.as_dict()}
 
 
@@ -94,7 +105,7 @@ def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
 
     recipe = cfg.recipe
     t_start = time.perf_counter()
-    info = plan(cfg, log)
+    info = plan(cfg, log, defer_shards=not cfg.dry_run)
     if cfg.dry_run:
         return BuildResult(bundle=Path(info["bundle"]), manifest=None, record={}, plan=info)
     pins = load_pins(cfg.pins_path)
@@ -107,7 +118,19 @@ def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
                "chunk": recipe.chunk, "context": recipe.context, "compute": recipe.compute,
                "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                                f"prefill chunk {recipe.chunk}, compute {recipe.compute}"}}
-        timings = run_export(source, cfg.pins_path, recipe, asset_dir, log, job=job)
+        hashes = BackgroundHashes(source, pins, info["deferred"], log) if info["deferred"] else None
+        try:
+            timings = run_export(source, cfg.pins_path, recipe, asset_dir, log, job=job)
+        except BaseException:
+            if hashes is not None:
+                hashes.stop()
+            raise
+        if hashes is not None:  # a shard that fails its pin fails the build here, named
+            t0 = time.perf_counter()
+            found = {**info["files"], **hashes.result()}
+            info["files"] = {n: found[n] for n in read_files(source)}  # the plan's order
+            log(f"{len(info['deferred'])} shards matched their pins (hashed beside the export; "
+                f"{time.perf_counter() - t0:.1f} s waited)")
         tok_dir = tmp / TOKENIZER_DIR
         tok_dir.mkdir()
         tokenizer = {}
@@ -148,9 +171,7 @@ def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
         record = build_record(recipe, cfg.recipe_path, pins, dict(sorted(outputs.items())), text.hidden_size,
                               {"model": "backbone", "text_config": text.as_dict(), "seconds": seconds,
                                # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see backbone.weights)
-                               "scaled_tensors": int(timings.get("scaled_tensors", 0)),
-                               # the weights converted in a thread beside the trace: its own seconds
-                               "weights_beside_trace_seconds": round(float(timings.get("weights_beside_trace", 0.0)), 3)})
+                               "scaled_tensors": int(timings.get("scaled_tensors", 0))})
         if cfg.verify and recipe.verify.enabled:
             log("verifying the saved backbone against transformers' text model")
             report = verify_backbone(BackboneVerifyConfig(bundle=tmp, source=source, pins_path=cfg.pins_path,

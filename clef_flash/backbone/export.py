@@ -1,24 +1,26 @@
 """Export of ``DecoderChunk``: ``torch.export`` (input_ids, a dynamic-length position_ids, the four
 states as inputs updated in place) -> ``run_decompositions`` (conv1d, index_copy, softplus … are
 not lowered otherwise) -> one coreai-torch converter, the states named -> ``to_coreai`` -> debug
-locations stripped -> a streamed save (``save_streamed``).
+locations stripped -> a streamed save (``aimodel.save`` with ``mlirb.inflate``).
 
-Memory and disk: the weights are memory-mapped fp16 (``weights``); neither torch.export nor the
-converter copies them into anonymous memory. The converter would copy each constant into a
-temporary resource file under ``TMPDIR`` (a second full copy on disk, 16 GB for the 9B);
-``constants_from_buffers`` hands it the mapped arrays themselves as resources instead, with the
-converter's own alignment, so ``main.mlirb`` is byte for byte what the converter writes (a test
-holds it). ``save_asset`` would read the whole written ``main.mlirb`` back into memory to hash it;
-``aimodel.save`` writes the same files and hashes ``main.mlirb`` in blocks instead.
+Memory and disk: the weights are never all in memory, and their fp16 bytes are written once. The
+graph is traced over views of a sparse scratch file (``weights``, streamed): nothing reads the
+large tensors' values before the save. The converter would copy each constant into a temporary
+resource file (a second full copy on disk, 16 GB for the 9B); ``constants_from_buffers`` gives it
+the small tensors' mapped arrays as resources instead and declares each large one an empty
+resource. The bytecode is then written small, and ``mlirb.inflate`` writes ``main.mlirb`` in one
+pass, converting each large tensor from the release into its place and hashing it on the way:
+byte for byte what the converter writes given the data (tests hold both routes equal).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import struct
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -65,15 +67,29 @@ def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str
     return ep
 
 
+PLACEHOLDER_TAG = b"clef-fill"[:8]  # + an 8-byte number: a streamed tensor's data until main.mlirb is written
 RESOURCE_ALIGNMENT = 16  # what the converter's own resource blobs use (coreai-torch 0.4.3): same bytes
 
 
+@dataclass
+class Resources:
+    """What ``constants_from_buffers`` made: how many resources, and the placeholders of the streamed
+    tensors (its 16 bytes of data -> (weight name, bytes)). The compiler renames resources and merges
+    those of equal data, so a placeholder is found by its data: a tag and its own number."""
+
+    count: int = 0
+    streamed: dict[bytes, tuple[str, int]] = field(default_factory=dict)  # placeholder data -> (weight, bytes)
+
+
 @contextlib.contextmanager
-def constants_from_buffers():
+def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None):
     """While converting, every fp16 constant of two or more dimensions becomes a resource that
     points at the tensor's own memory (our mapped scratch file) instead of the converter's temporary
-    file copy. Private coreai-torch API (``TorchConverter._constant_from_tensor``), pinned with
-    coreai-torch 0.4.3; ``tests/test_backbone.py`` holds the bytes equal to the converter's path."""
+    file copy; a tensor in ``streamed`` (by data pointer: (weight name, bytes)) becomes an empty
+    resource that ``mlirb.inflate`` fills. Private coreai-torch API
+    (``TorchConverter._constant_from_tensor``), pinned with coreai-torch 0.4.3;
+    ``tests/test_backbone.py`` holds the bytes equal to the converter's own path."""
+    import numpy as np
     import torch
     from coreai._compiler.dialects import coreai
     from coreai._compiler.ir import DenseResourceElementsAttr
@@ -81,26 +97,36 @@ def constants_from_buffers():
     from coreai_torch import converter as tc
 
     original = TorchConverter._constant_from_tensor
-    count = [0]
+    made = Resources()
+    streamed = streamed or {}
 
     def from_buffer(self, tensor):
         plain = type(tensor) is torch.Tensor and not hasattr(tensor, "future_dtype")
         if not (plain and tensor.dtype == torch.float16 and tensor.dim() >= 2 and tensor.is_contiguous()):
             return original(self, tensor)
-        count[0] += 1  # a placeholder name: save renames every blob after its bytes
+        made.count += 1
+        name = f"clef_w{made.count}"  # a placeholder name: save renames every blob after its bytes
+        known = streamed.get(tensor.data_ptr())
+        if known is not None and known[1] == tensor.numel() * 2:
+            tag = PLACEHOLDER_TAG + struct.pack("<Q", made.count)  # filled when main.mlirb is written
+            data = np.frombuffer(tag, dtype=np.float16)
+            made.streamed[tag] = known
+        else:
+            data = tensor.detach().numpy()
         attr = DenseResourceElementsAttr.get_from_buffer(
-            tensor.detach().numpy(), f"clef_w{count[0]}", tc.get_tensor_type(tensor, self._location, dtype=torch.float16),
-            alignment=RESOURCE_ALIGNMENT)
+            data, name, tc.get_tensor_type(tensor, self._location, dtype=torch.float16), alignment=RESOURCE_ALIGNMENT)
         return coreai.ConstantOp(value=attr).result
 
     TorchConverter._constant_from_tensor = from_buffer
     try:
-        yield count
+        yield made
     finally:
         TorchConverter._constant_from_tensor = original
 
 
-def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = True):
+def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = True,
+            streamed: dict[int, tuple[str, int]] | None = None):
+    """The Core AI program, and the resources declared empty for streamed tensors (``Resources``)."""
     from coreai_torch import TorchConverter
     from coreai_torch.debugging.debug_info import strip_debug_info
 
@@ -110,12 +136,18 @@ def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = Tru
     converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
                                    state_names=list(STATE_ORDER), entrypoint_name=FUNCTION)
     t0 = time.perf_counter()
+    made = Resources()
     with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
-            (constants_from_buffers() if buffers else contextlib.nullcontext()):
+            (constants_from_buffers(streamed) if buffers else contextlib.nullcontext()) as hooked:
         program = converter.to_coreai()
+    made = hooked or made
     strip_debug_info(program)  # source locations would embed this machine's paths
+    if streamed and len(made.streamed) != len(streamed):  # one read from the sparse file would be zeros
+        missing = sorted(set(n for n, _ in streamed.values()) - set(n for n, _ in made.streamed.values()))
+        raise RuntimeError(f"the converter did not take {missing[0]} as the tensor it was given"
+                           + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
     log(f"converted in {time.perf_counter() - t0:.1f} s")
-    return program
+    return program, made
 
 
 def export_job(job: dict, log: Callable[[str], None]) -> dict:
@@ -135,37 +167,37 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     ch = Chunking(int(job["chunk"]), int(job["context"]))
     check_contract(cfg, ch)
     t0 = time.perf_counter()
-    log("mapping the release's weights as fp16")
+    log("laying out the release's weights as fp16")
     # fp32 compute: tensors stored scaled by powers of two, so no weight is an fp16 subnormal (``weights``).
-    # The values are converted in a thread while the graph is traced (the trace reads none of them);
-    # the converter, which does, starts after the thread has finished.
+    # Large tensors are streamed: converted when main.mlirb is written, straight into it.
+    buffers = job.get("buffers", True)  # False: the converter's own copies of every value (bench)
     weights = load_weights(source, weight_names(cfg), asset_dir.parent, log, scaled=job["compute"] == "fp32",
-                           defer=job.get("overlap", True))
-    module = DecoderChunk(cfg, ch, weights.tensors(), job["compute"], exponents=weights.exponents)
+                           streamed=buffers)
+    tensors = weights.tensors()
+    module = DecoderChunk(cfg, ch, tensors, job["compute"], exponents=weights.exponents)
+    streamed = {tensors[n].data_ptr(): (n, tensors[n].numel() * 2) for n in weights.streamed}
     release_freed_memory()
     t_weights = time.perf_counter() - t0
     state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
     try:
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            filling = pool.submit(weights.fill)
-            t0 = time.perf_counter()
-            ep = trace(module, cfg, ch, state_dtype, log)
-            t_trace = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            t_fill = filling.result()
-            t_weights += time.perf_counter() - t0  # what the conversion added beyond the trace
         t0 = time.perf_counter()
-        program = convert(ep, log, buffers=job.get("buffers", True))  # False: the converter's own copies (bench)
+        ep = trace(module, cfg, ch, state_dtype, log)
+        t_trace = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        program, made = convert(ep, log, buffers=buffers, streamed=streamed)
         t_convert = time.perf_counter() - t0
     except (ValueError, RuntimeError, TypeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ToolchainError(f"export of the backbone failed: {type(exc).__name__}: {first}") from exc
-    del ep, module
+    del ep, module, tensors
     t0 = time.perf_counter()
-    log(f"saving {asset_dir.name}")
-    save(program, asset_dir, job["description"], log)
+    log(f"saving {asset_dir.name}" + (f", {len(made.streamed)} tensors converted into main.mlirb" if made.streamed else ""))
+    fill = None
+    if made.streamed:
+        fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(made.streamed[tag][0]))
+    save(program, asset_dir, job["description"], log, fill=fill)
     t_save = time.perf_counter() - t0
     fp16_bytes = weights.fp16_bytes
     weights.close()
     return {"weights": t_weights, "trace": t_trace, "convert": t_convert, "save": t_save,
-            "weights_beside_trace": t_fill, "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k)}
+            "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k)}

@@ -38,10 +38,13 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 _BLOCK_BYTES = 32 << 20  # rows converted at a time: the anonymous memory this stage needs
-# beside the trace (``fill``), smaller blocks: that memory adds to the trace's own peak
-_FILL_BLOCK_BYTES = 8 << 20
+# Tensors of at most this many values may be folded by the Core AI compiler (the cast of an fp16
+# constant, stored as fp32: measured up to about 131,072 values, in_proj_a / in_proj_b / conv1d at
+# the 9B); larger ones stay the fp16 blob they came in, so only those are streamed into the asset
+FOLD_MAX_VALUES = 1 << 20
 _ALIGN = 64  # each tensor starts at a 64-byte offset in the scratch file
 SCALE_BOUND = 64  # |k| at most: 2**-64 and 2**64 are normal fp32 numbers
+_FP16_OVERFLOW = 65520.0  # the smallest magnitude that rounds to inf in fp16 (65504 + half a step)
 SCALE_TARGET = 14  # scaled tensors' max |x| <= 2**14: fp16's top binade (2**15) stays unused, so no rounding overflows
 
 
@@ -175,18 +178,19 @@ class Fp16Weights:
     1-D as fp32 arrays. ``tensors()`` gives torch tensors sharing that memory."""
 
     def __init__(self, folder: Path, infos: dict[str, TensorInfo], scratch_dir: Path, log=lambda msg: None,
-                 scaled: bool = False, defer: bool = False) -> None:
-        """``defer``: lay out the scratch file and its views (and the scale exponents) now, convert
-        the values in ``fill()`` later: torch.export traces the views without reading them, so the
-        export runs ``fill()`` in a thread beside the trace and joins it before converting."""
+                 scaled: bool = False, streamed: bool = False) -> None:
+        """``streamed``: tensors of more than ``FOLD_MAX_VALUES`` values are not converted here. Their
+        views lie over holes of the sparse scratch file (zeros if read; neither the trace nor the
+        converter reads them, ``export.constants_from_buffers``), and ``stream(name)`` converts them
+        when ``main.mlirb`` is written (``mlirb.inflate``): the release is read once and the fp16
+        bytes are written once, into the asset. Smaller ones the compiler may fold: converted now."""
         self.folder = Path(folder)
         self.scaled = scaled
         self.exponents: dict[str, int] = {}  # name -> k: the stored tensor is W * 2**k
+        self.streamed: dict[str, TensorInfo] = {}  # name -> tensor, for ``stream``
         self._log = log
         size = max(scratch_bytes(infos), _ALIGN)
         fd, path = tempfile.mkstemp(prefix=".clef-weights-", suffix=".f16", dir=scratch_dir)
-        self._fd: int | None = fd
-        self._todo: list[tuple[TensorInfo, int, int]] = []  # (tensor, offset in the scratch file, k)
         try:
             os.unlink(path)  # only the mapping holds it: nothing is left on any exit
             os.ftruncate(fd, size)
@@ -202,36 +206,24 @@ class Fp16Weights:
                 n = int(np.prod(t.shape))
                 k = self._exponent(t) if scaled else 0
                 self.exponents[name] = k
-                if defer:
-                    self._todo.append((t, at, k))
+                if streamed and n > FOLD_MAX_VALUES:
+                    self.streamed[name] = t
                 else:
                     self._convert(t, fd, at, k)  # written with pwrite: no page fault per page of the mapping
                 self.arrays[name] = np.frombuffer(self._map, dtype=np.float16, count=n, offset=at).reshape(t.shape)
                 self.fp16_bytes += n * 2
                 at += -(-n * 2 // _ALIGN) * _ALIGN
         finally:
-            if not defer:
-                os.close(fd)
-                self._fd = None
-        if not defer:
-            log(f"{len(infos)} tensors, {self.fp16_bytes:,} fp16 bytes mapped from the scratch file")
+            os.close(fd)
+        log(f"{len(infos)} tensors, {self.fp16_bytes:,} fp16 bytes laid out"
+            + (f" ({len(self.streamed)} streamed into the asset when it is written)" if streamed else ""))
 
-    def fill(self) -> float:
-        """Convert the deferred tensors into the scratch file; returns the seconds it took."""
-        import time
-
-        t0 = time.perf_counter()
-        try:
-            for t, at, k in self._todo:
-                self._convert(t, self._fd, at, k, _FILL_BLOCK_BYTES)
-        finally:
-            self._todo = []
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-            release_freed_memory()  # this thread's blocks, before the trace's peak
-        self._log(f"{self.fp16_bytes:,} fp16 bytes converted into the scratch file in {time.perf_counter() - t0:.1f} s")
-        return time.perf_counter() - t0
+    def stream(self, name: str, block_bytes: int = _BLOCK_BYTES):
+        """A streamed tensor's fp16 bytes (times 2**k), in row blocks: memoryviews of two buffers in
+        turn, so a block stays intact while the next one is converted (``mlirb.inflate`` hashes it
+        meanwhile)."""
+        for _r0, data in self._fp16_blocks(self.streamed[name], self.exponents[name], block_bytes, ring=2):
+            yield data
 
     def _read_small(self, t: TensorInfo) -> np.ndarray:
         with open(self.folder / t.file, "rb") as fh:
@@ -240,48 +232,72 @@ class Fp16Weights:
         return as_f32(raw, t.dtype).reshape(t.shape).copy()
 
     def _blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
-        """The tensor as fp32 row blocks ``(r0, r1, values)`` (torch, converted on all cores)."""
+        """The tensor as flat fp32 row blocks ``(r0, r1, values)``, converted by torch into one reused
+        buffer (a fresh block each time spent more on page faults than on converting)."""
         import torch
 
         view = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
         np_dtype, torch_dtype = view[t.dtype]
+        buf = None
         for r0, r1, raw in raw_blocks(self.folder, t, block_bytes):
-            yield r0, r1, torch.from_numpy(raw.view(np_dtype)).view(torch_dtype).float()
+            src = torch.from_numpy(raw.view(np_dtype)).view(torch_dtype)
+            if torch_dtype == torch.float32:
+                yield r0, r1, src
+                continue
+            if buf is None:
+                buf = torch.empty(src.numel(), dtype=torch.float32)
+            out = buf[: src.numel()]
+            out.copy_(src)
+            yield r0, r1, out
 
     def _exponent(self, t: TensorInfo) -> int:
         """The largest k with max |W| * 2**k <= 2**SCALE_TARGET (0 for an all-zero tensor). For bf16
         the largest magnitude is the largest of the bit patterns with the sign cleared (the order of
-        finite bf16 magnitudes is the order of their bits): an integer max, no conversion."""
+        finite bf16 magnitudes is the order of their bits): as int16 the largest positive pattern, as
+        uint16 the largest negative one, two integer maxima and no temporary."""
+        import torch
+
         top = 0.0
         if t.dtype == "BF16":
             bits = 0
             for _, _, raw in raw_blocks(self.folder, t):
                 if raw.size:
-                    bits = max(bits, int((raw.view("<u2") & 0x7FFF).max()))
+                    pos = int(raw.view("<i2").max())  # the largest positive pattern (negative: none)
+                    neg = int(raw.view("<u2").max())  # 0x8000 | the largest negative magnitude, if any
+                    bits = max(bits, pos, neg & 0x7FFF if neg >= 0x8000 else 0)
             top = float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
         else:
             for _, _, block in self._blocks(t):
-                if block.numel():  # no |block| temporary: the larger of max and -min
-                    top = max(top, float(block.max()), -float(block.min()))
+                if block.numel():
+                    lo, hi = torch.aminmax(block)
+                    top = max(top, float(hi), -float(lo))
         return scale_exponent(top)
 
-    def _convert(self, t: TensorInfo, fd: int, at: int, k: int = 0, block_bytes: int = _BLOCK_BYTES) -> None:
-        """Row blocks of the shard -> fp16 (times 2**k) written at ``at`` in the scratch file; a
-        value beyond fp16's range is an error naming the tensor, never a silent inf."""
+    def _fp16_blocks(self, t: TensorInfo, k: int, block_bytes: int = _BLOCK_BYTES, ring: int = 1):
+        """Row blocks of the shard -> fp16 (times 2**k): ``(r0, bytes)``, ``ring`` reused buffers in
+        turn; a value beyond fp16's range is an error naming the tensor, never a silent inf."""
         import torch
 
-        row_bytes = int(np.prod(t.shape[1:])) * 2
-        half = None
-        for r0, r1, block in self._blocks(t, block_bytes):
+        halves: list = []
+        for i, (r0, _r1, block) in enumerate(self._blocks(t, block_bytes)):
             if k:
                 block.mul_(2.0 ** k)  # exact: a power of two
-            if half is None:
-                half = torch.empty(block.numel(), dtype=torch.float16)
-            part = half[: block.numel()]
-            part.copy_(block.reshape(-1))  # rounds to nearest even, as numpy's astype
-            if not bool(torch.isfinite(part).all()) and bool(torch.isfinite(block).all()):
-                raise IntegrityError(f"{self.folder / t.file}: {t.name} has values beyond fp16's range (|x| > 65504)")
-            data, off = memoryview(part.numpy()).cast("B"), at + r0 * row_bytes
+            if block.numel():
+                lo, hi = torch.aminmax(block)
+                top = max(float(hi), -float(lo))  # NaN when the source holds one: passed through, as inf is
+                if _FP16_OVERFLOW <= top < float("inf"):
+                    raise IntegrityError(f"{self.folder / t.file}: {t.name} has values beyond fp16's range (|x| > 65504)")
+            if len(halves) < ring:
+                halves.append(torch.empty(block.numel(), dtype=torch.float16))
+            part = halves[i % ring][: block.numel()]
+            part.copy_(block)  # rounds to nearest even, as numpy's astype
+            yield r0, memoryview(part.numpy()).cast("B")
+
+    def _convert(self, t: TensorInfo, fd: int, at: int, k: int = 0, block_bytes: int = _BLOCK_BYTES) -> None:
+        """The tensor converted (``_fp16_blocks``) and written at ``at`` in the scratch file."""
+        row_bytes = int(np.prod(t.shape[1:])) * 2
+        for r0, data in self._fp16_blocks(t, k, block_bytes):
+            off = at + r0 * row_bytes
             while data:
                 written = os.pwrite(fd, data, off)
                 data, off = data[written:], off + written
@@ -303,5 +319,5 @@ class Fp16Weights:
 
 
 def load_weights(folder: Path, wanted: dict[str, tuple[int, ...]], scratch_dir: Path, log=lambda msg: None,
-                 scaled: bool = False, defer: bool = False) -> Fp16Weights:
-    return Fp16Weights(folder, locate(folder, wanted), scratch_dir, log, scaled, defer)
+                 scaled: bool = False, streamed: bool = False) -> Fp16Weights:
+    return Fp16Weights(folder, locate(folder, wanted), scratch_dir, log, scaled, streamed)
