@@ -142,9 +142,15 @@ class DecoderChunk(torch.nn.Module):
         missing = [n for n in weight_names(cfg) if n not in weights]
         if missing:
             raise ValueError(f"weights lack {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
-        # plain attributes, not parameters or buffers: torch.export lifts them as constants, and a
-        # memory-mapped tensor is never copied into the module
-        self.w = weights
+        # no copy of a memory-mapped tensor is made. Matrices are buffers (non-persistent): the trace
+        # sees them as graph inputs, so an op on one (the fp32 cast) is recorded, not run; a plain
+        # tensor attribute is a constant, and export ran the cast on the real values (at 9B it read
+        # all 16 GB, 111 s of 201). 1-D tensors stay plain attributes: they fold into constants.
+        self.w = {n: t for n, t in weights.items() if t.dim() < 2}
+        self._buffer = {}
+        for i, name in enumerate(sorted(n for n, t in weights.items() if t.dim() >= 2)):
+            self._buffer[name] = f"w{i}"
+            self.register_buffer(f"w{i}", weights[name], persistent=False)
         # name -> k when the stored tensor is W * 2**k (``weights``: fp16 subnormals are flushed by the
         # runtime); what is computed from it is multiplied by 2**-k, exactly
         self.exponents = dict(exponents or {})
@@ -153,9 +159,12 @@ class DecoderChunk(torch.nn.Module):
         self.slots = torch.arange(chunking.context, dtype=torch.int32)
         self.delta = delta_rule_constants(chunking.chunk)
 
+    def _get(self, name: str) -> torch.Tensor:
+        return getattr(self, self._buffer[name]) if name in self._buffer else self.w[name]
+
     def _mat(self, name: str) -> torch.Tensor:
         """A stored weight as the compute reads it (an fp16 weight through a cast for fp32)."""
-        return self.w[name].to(self.dtype)
+        return self._get(name).to(self.dtype)
 
     def _unscale(self, y: torch.Tensor, name: str) -> torch.Tensor:
         k = self.exponents.get(name, 0)
@@ -171,7 +180,7 @@ class DecoderChunk(torch.nn.Module):
     def forward(self, input_ids, position_ids, keyCache, valueCache, convState, recState):  # noqa: N803
         cfg, S = self.cfg, self.ch.chunk
         pos = position_ids[:, -S:]  # [1, S]
-        x = self._unscale(F.embedding(input_ids.long(), self.w[f"{LM}embed_tokens.weight"]).to(self.dtype),
+        x = self._unscale(F.embedding(input_ids.long(), self._get(f"{LM}embed_tokens.weight")).to(self.dtype),
                           f"{LM}embed_tokens.weight")
         freqs = pos[0].float()[:, None] * self.inv_freq[None, :]  # [S, rot/2]
         emb = torch.cat((freqs, freqs), dim=-1)
