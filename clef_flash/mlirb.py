@@ -431,10 +431,11 @@ class _DirectWriter:
 
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         self._os = os
+        self.direct = bool(getattr(os, "O_DIRECT", 0))
         try:
             self.fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
         except OSError:  # e.g. a tmpfs
-            self.fd = os.open(path, flags)
+            self.fd, self.direct = os.open(path, flags), False
         self.buf = mmap.mmap(-1, self.BLOCK)  # anonymous: page-aligned, as O_DIRECT needs
         self.view = memoryview(self.buf)
         self.used = 0
@@ -464,6 +465,7 @@ class _DirectWriter:
                 if exc.errno != errno.EINVAL or not fcntl.fcntl(self.fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
                     raise
                 fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # refused: buffered
+                self.direct = False
         self.used = 0
 
     def abort(self) -> None:

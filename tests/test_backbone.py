@@ -907,3 +907,30 @@ def test_the_closed_form_delta_rule_is_the_recurrence(chunk, case):
         c64["lower"] = torch.ones_like(c64["lower"])  # every token sees the whole chunk: not the recurrence
         bad, _ = delta_rule_chunk(q, k, v, beta, log_decay, s0, c64)
         assert (bad - want_o).abs().max() > 1e-3 * want_o.abs().max()
+
+
+def test_the_direct_writer_writes_the_bytes_it_is_given(tmp_path):
+    """``mlirb.inflate``'s writer: pieces of any size through one aligned buffer, ``O_DIRECT`` where
+    the file system takes it (this disk), buffered where it does not (a tmpfs); the file is exactly
+    the bytes written, the padded last block cut back."""
+    import os
+
+    from clef_flash.mlirb import _DirectWriter
+
+    rng = np.random.default_rng(0)
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 4095, (8 << 20) + 3, 10, 0, 4096)]
+    folders = [tmp_path] + ([Path("/dev/shm")] if Path("/dev/shm").is_dir() else [])
+    for folder in folders:
+        path = folder / f"clef-direct-{os.getpid()}.bin"
+        w = _DirectWriter(path)
+        try:
+            for p in pieces:
+                w.write(p)
+        finally:
+            w.close()
+        try:
+            assert path.read_bytes() == b"".join(pieces), folder
+        finally:
+            path.unlink()
+        if folder == tmp_path and hasattr(os, "O_DIRECT"):
+            assert w.direct, "this disk takes O_DIRECT"
