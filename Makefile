@@ -117,8 +117,8 @@ bench-identity: setup $(SLICE)/pins.json
 	$(BIN)/python benchmarks/bench_identity.py --slice $(SLICE) --compute fp16 --work build
 
 # the whole 9B in one run: the synthetic release written streamed, the cp floor, both recipes built
-# and verified at full size (descriptor, every weight streamed), the slice beside it; about 70 GB of
-# free disk and 40 minutes. Not part of `make test` or `make bench`.
+# and verified at full size (descriptor, every weight streamed), the slice beside it; about 55 GB of
+# free disk and 20 minutes. Not part of `make test` or `make bench`.
 bench-9b: setup $(SLICE)/pins.json
 	$(BIN)/python benchmarks/bench_9b.py --slice $(SLICE)
 
