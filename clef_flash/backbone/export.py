@@ -126,7 +126,8 @@ def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None):
 
 def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = True,
             streamed: dict[int, tuple[str, int]] | None = None):
-    """The Core AI program, and the resources declared empty for streamed tensors (``Resources``)."""
+    """The Core AI program, and what the converter was handed (``Resources``: the placeholders of the
+    streamed tensors, which ``save`` fills); a streamed tensor it did not take is an error."""
     from coreai_torch import TorchConverter
     from coreai_torch.debugging.debug_info import strip_debug_info
 
@@ -136,11 +137,10 @@ def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = Tru
     converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
                                    state_names=list(STATE_ORDER), entrypoint_name=FUNCTION)
     t0 = time.perf_counter()
-    made = Resources()
     with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
             (constants_from_buffers(streamed) if buffers else contextlib.nullcontext()) as hooked:
         program = converter.to_coreai()
-    made = hooked or made
+    made = hooked or Resources()
     strip_debug_info(program)  # source locations would embed this machine's paths
     if streamed and len(made.streamed) != len(streamed):  # one read from the sparse file would be zeros
         missing = sorted(set(n for n, _ in streamed.values()) - set(n for n, _ in made.streamed.values()))
