@@ -14,6 +14,7 @@ prefix varints, sections ``id | 0x80 if aligned``, ``length``, ``[alignment, 0xC
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,25 @@ def _sections(fh, size: int) -> list[Section]:
     if pos != size:
         raise BytecodeError(f"sections end at byte {pos}, the file has {size}")
     return out
+
+
+def _alignment(fh, sec: Section) -> int | None:
+    """The section's declared alignment, or None for an unaligned section."""
+    fh.seek(sec.header)
+    head = _Reader(fh.read(32))
+    if not head.byte() & 0x80:
+        return None
+    head.varint()
+    return head.varint()
+
+
+def _section_header(sec_id: int, length: int, align: int | None, at: int) -> bytes:
+    """A section's header written at byte ``at``: with an alignment, padded so the data starts aligned."""
+    header = bytearray([sec_id | (0x80 if align else 0)]) + varint(length)
+    if align:
+        pos = at + len(header) + len(varint(align))
+        header += varint(align) + bytes([_PAD]) * ((-pos) % align)
+    return bytes(header)
 
 
 def _read_strings(data: bytes) -> list[bytes]:
@@ -314,16 +334,8 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> tuple[int, str]:
         for sec in sections[string_at:]:
             fh.seek(sec.start)
             data = fh.read(sec.length) if sec.id != STRING else _write_strings(new_strings)
-            header = bytearray([sec.id]) + varint(len(data))
-            fh.seek(sec.header)
-            old = _Reader(fh.read(32))
-            if old.byte() & 0x80:  # an aligned section after the strings: padded again from its new place
-                old.varint()
-                align = old.varint()
-                at = tail_start + len(tail) + len(header) + len(varint(align))
-                header[0] |= 0x80
-                header += varint(align) + bytes([_PAD]) * ((-at) % align)
-            tail += header + data
+            # an aligned section after the strings: padded again from its new place
+            tail += _section_header(sec.id, len(data), _alignment(fh, sec), tail_start + len(tail)) + data
         fh.truncate(tail_start)
         fh.seek(tail_start)
         fh.write(tail)
@@ -362,21 +374,12 @@ def skeleton(path: Path, out: Path) -> int:
             replaced[RESOURCE], sizes = _empty_blobs(fh, by_id[RESOURCE], groups)
             replaced[RESOURCE_OFFSET] = _write_groups(groups, sizes)
         for sec in sections:
-            fh.seek(sec.header)
-            head = _Reader(fh.read(32))
-            aligned = bool(head.byte() & 0x80)
-            head.varint()
-            align = head.varint() if aligned else 1
             if sec.id in replaced:
                 data = replaced[sec.id]
             else:
                 fh.seek(sec.start)
                 data = fh.read(sec.length)
-            header = bytearray([sec.id | (0x80 if aligned else 0)]) + varint(len(data))
-            if aligned:  # the data starts aligned in the new file too
-                at = len(body) + len(header) + len(varint(align))
-                header += varint(align) + bytes([_PAD]) * ((-at) % align)
-            body += header + data
+            body += _section_header(sec.id, len(data), _alignment(fh, sec), len(body)) + data  # aligned data stays aligned
     out.write_bytes(bytes(body))
     return len(body)
 
@@ -427,10 +430,8 @@ class _DirectWriter:
 
     def __init__(self, path: Path) -> None:
         import mmap
-        import os
 
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self._os = os
         self.direct = bool(getattr(os, "O_DIRECT", 0))
         try:
             self.fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
@@ -453,7 +454,6 @@ class _DirectWriter:
                 self._flush(self.BLOCK)
 
     def _flush(self, n: int) -> None:
-        os = self._os
         view = self.view[:n]
         while view:
             try:
@@ -469,7 +469,7 @@ class _DirectWriter:
         self.used = 0
 
     def abort(self) -> None:
-        self._os.close(self.fd)
+        os.close(self.fd)
         self.view.release()
         self.buf.close()
 
@@ -479,20 +479,9 @@ class _DirectWriter:
                 tail = -(-self.used // 4096) * 4096  # whole blocks, cut back below
                 self.view[self.used:tail] = bytes(tail - self.used)
                 self._flush(tail)
-            self._os.ftruncate(self.fd, self.size)
+            os.ftruncate(self.fd, self.size)
         finally:
-            self._os.close(self.fd)
-            self.view.release()
-            self.buf.close()
-
-
-def _section_header(sec_id: int, length: int, align: int | None, at: int) -> bytes:
-    """A section's header written at byte ``at``: with an alignment, padded so the data starts aligned."""
-    header = bytearray([sec_id | (0x80 if align else 0)]) + varint(length)
-    if align:
-        pos = at + len(header) + len(varint(align))
-        header += varint(align) + bytes([_PAD]) * ((-pos) % align)
-    return bytes(header)
+            self.abort()
 
 
 def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_") -> tuple[int, str]:
@@ -510,7 +499,8 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
     import io
 
     data = Path(path).read_bytes()
-    sections = _sections(io.BytesIO(data), len(data))
+    src = io.BytesIO(data)
+    sections = _sections(src, len(data))
     by_id = {s.id: s for s in sections}
     if RESOURCE not in by_id or RESOURCE_OFFSET not in by_id or STRING not in by_id:
         raise BytecodeError(f"{path}: no resources to fill")
@@ -541,7 +531,6 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
         offset += entry_size
     if left:
         raise BytecodeError(f"{path}: {len(left)} placeholder(s) to fill not found (merged or dropped by the compiler?)")
-    res_align = _Reader(data, by_id[RESOURCE].header + 1 + len(varint(by_id[RESOURCE].length))).varint()
     offsets_data = _write_groups(groups, new_sizes)
 
     whole = hashlib.sha256()
@@ -558,12 +547,9 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
 
             put(data[:sections[0].header])
             for sec in sections:
-                head = _Reader(data, sec.header)
-                aligned = bool(head.byte() & 0x80)
-                head.varint()
-                align = head.varint() if aligned else None
+                align = _alignment(src, sec)
                 if sec.id == RESOURCE:
-                    put(_section_header(RESOURCE, at, res_align if aligned else None, written))
+                    put(_section_header(RESOURCE, at, align, written))
                     for head_bytes, body, size in plan:
                         put(head_bytes)
                         blob = hashlib.sha256()

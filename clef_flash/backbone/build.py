@@ -65,7 +65,7 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer_shards: bool = False) -> di
         raise IntegrityError(f"{source}: source folder not found")
     names = read_files(source)
     later = [n for n in shard_files(source) if n in names] if defer_shards else []
-    check_pinned(source, pins, cfg.pins_path, names)
+    check_pinned(source, pins, cfg.pins_path, later)  # the rest: verify_files
     digests = verify_files(source, pins, cfg.pins_path, [n for n in names if n not in later], log)
     text = release_config(source)
     chunking = Chunking(recipe.chunk, recipe.context)
@@ -118,7 +118,7 @@ def build_backbone(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
                "chunk": recipe.chunk, "context": recipe.context, "compute": recipe.compute,
                "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                                f"prefill chunk {recipe.chunk}, compute {recipe.compute}"}}
-        hashes = BackgroundHashes(source, pins, info["deferred"], log) if info["deferred"] else None
+        hashes = BackgroundHashes(source, pins, info["deferred"]) if info["deferred"] else None
         try:
             timings = run_export(source, cfg.pins_path, recipe, asset_dir, log, job=job)
         except BaseException:

@@ -63,7 +63,6 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tenso
     return num / den
 
 
-
 def delta_rule_constants(chunk: int) -> dict:
     """What ``delta_rule_chunk`` needs of the chunk size alone, built once per module (shared by every
     layer, so the graph holds them once): the causal masks and, for each level of the blocked
@@ -107,7 +106,7 @@ def delta_rule_chunk(q, k, v, beta, log_decay, state, consts: dict | None = None
 
     With G the cumulative log decay, the updates U solve ``(I + A) U = beta (V - e^G K s0)``, A the
     strictly lower ``beta_t e^(G_t - G_i) k_t.k_i``: one triangular inverse instead of S dependent
-    steps, so the graph has about a hundred nodes a layer rather than a thousand (trace, decompose
+    steps, so the graph has about 280 nodes a linear layer rather than 1,650 (trace, decompose
     and convert time scale with them), and no loop (a loop does not lower on the Mac's delegates)."""
     S = q.shape[1]
     c = consts or delta_rule_constants(S)

@@ -69,10 +69,10 @@ class BackgroundHashes:
     it early when the build fails for another reason. Reading unverified weights is harmless: they
     are data, nothing of the release is executed, and the bundle is published only after this."""
 
-    def __init__(self, source: Path, pins: Pins, names: list[str], log=lambda m: None) -> None:
+    def __init__(self, source: Path, pins: Pins, names: list[str]) -> None:
         import threading
 
-        self.source, self.pins, self.names, self.log = source, pins, names, log
+        self.source, self.pins, self.names = source, pins, names
         self._stop = threading.Event()
         self._done: dict[str, str] = {}
         self._error: BaseException | None = None
@@ -80,11 +80,11 @@ class BackgroundHashes:
         self._thread.start()
 
     def _run(self) -> None:
+        buf = bytearray(8 << 20)  # sha256_file's reads, stoppable between blocks
+        view = memoryview(buf)
         try:
             for name in self.names:
                 h = hashlib.sha256()
-                buf = bytearray(8 << 20)
-                view = memoryview(buf)
                 with open(self.source / name, "rb", buffering=0) as fh:
                     while not self._stop.is_set():
                         n = fh.readinto(buf)

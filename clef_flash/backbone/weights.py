@@ -43,8 +43,8 @@ _BLOCK_BYTES = 32 << 20  # rows converted at a time: the anonymous memory this s
 # the 9B); larger ones stay the fp16 blob they came in, so only those are streamed into the asset
 FOLD_MAX_VALUES = 1 << 20
 _ALIGN = 64  # each tensor starts at a 64-byte offset in the scratch file
-SCALE_BOUND = 64  # |k| at most: 2**-64 and 2**64 are normal fp32 numbers
 _FP16_OVERFLOW = 65520.0  # the smallest magnitude that rounds to inf in fp16 (65504 + half a step)
+SCALE_BOUND = 64  # |k| at most: 2**-64 and 2**64 are normal fp32 numbers
 SCALE_TARGET = 14  # scaled tensors' max |x| <= 2**14: fp16's top binade (2**15) stays unused, so no rounding overflows
 
 
@@ -293,10 +293,10 @@ class Fp16Weights:
             part.copy_(block)  # rounds to nearest even, as numpy's astype
             yield r0, memoryview(part.numpy()).cast("B")
 
-    def _convert(self, t: TensorInfo, fd: int, at: int, k: int = 0, block_bytes: int = _BLOCK_BYTES) -> None:
+    def _convert(self, t: TensorInfo, fd: int, at: int, k: int = 0) -> None:
         """The tensor converted (``_fp16_blocks``) and written at ``at`` in the scratch file."""
         row_bytes = int(np.prod(t.shape[1:])) * 2
-        for r0, data in self._fp16_blocks(t, k, block_bytes):
+        for r0, data in self._fp16_blocks(t, k):
             off = at + r0 * row_bytes
             while data:
                 written = os.pwrite(fd, data, off)
