@@ -9,7 +9,7 @@ RECIPE := conversion/head_bucket_fp16w32.toml
 # what a release ships: the Core AI asset and the Core ML package for macOS 15 / 26
 RELEASE_RECIPES := $(RECIPE) conversion/head_bucket_fp16w32_mlpackage.toml
 BUNDLE := build/clef_flash_head_bucket_fp16w32
-SOURCES := $(wildcard clef_flash/*.py clef_flash/backbone/*.py) $(RECIPE)
+SOURCES := $(wildcard clef_flash/*.py clef_flash/*/*.py) $(RECIPE)
 # REAL=1: the pinned Cloudflare/clef-flash files from the HF cache (run `make fetch` first, online).
 ifeq ($(REAL),1)
 SRC_DEPS :=
@@ -36,7 +36,7 @@ $(AUTHOR): $(STAMP)
 	$(BIN)/clef-export author-code --out $@
 
 # A synthetic snapshot at the real head configuration (random bf16 weights, seed 0).
-$(SYNTH)/pins.json: $(AUTHOR) clef_flash/synth.py | $(STAMP)
+$(SYNTH)/pins.json: $(AUTHOR) clef_flash/head/synth.py | $(STAMP)
 	$(BIN)/clef-export synth $(SYNTH) --config real --seed 0 --author-code $(AUTHOR) --overwrite
 
 $(BUNDLE)/metadata.json: $(SRC_DEPS) $(SOURCES)
@@ -55,7 +55,7 @@ fetch: setup
 TINY_REL := .cache/tiny-release
 TINY_OUT := build/tiny-release
 TINY_BUNDLE := $(TINY_OUT)/tiny_release_head_bucket_fp16w32
-$(TINY_REL)/pins.json: $(AUTHOR) clef_flash/synth.py | $(STAMP)
+$(TINY_REL)/pins.json: $(AUTHOR) clef_flash/head/synth.py | $(STAMP)
 	$(BIN)/clef-export synth-release $(TINY_REL) --seed 0 --author-code $(AUTHOR) --overwrite
 	$(BIN)/clef-export pin $(TINY_REL) --name tiny_release --overwrite
 

@@ -23,11 +23,11 @@ def main(source: Path, pins_path: Path, out: Path) -> None:
     from coreai_torch import TorchConverter
     from safetensors.torch import load_file
 
-    from clef_flash.author import load_author_module
-    from clef_flash.contract import BUCKETS, INPUT_ORDER, function_name
-    from clef_flash.tracing import example_inputs
-    from clef_flash.graph import ClefHeadGraph
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.author import load_author_module
+    from clef_flash.head.contract import BUCKETS, INPUT_ORDER, function_name
+    from clef_flash.head.tracing import example_inputs
+    from clef_flash.head.graph import ClefHeadGraph
+    from clef_flash.sources.pins import load_pins
 
     t0 = time.perf_counter()
     pins = load_pins(pins_path)

@@ -77,7 +77,7 @@ def bench_builds(source: Path, pins: Path, runs: int, work: Path, coreml: bool =
 
 def bench_hashes(source: Path, pins: Path) -> dict:
     from clef_flash.digest import sha256_file
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.pins import load_pins
 
     files = [source / f for f in load_pins(pins).files]
     size = sum(f.stat().st_size for f in files)
@@ -118,12 +118,12 @@ def bench_latency(bundle: Path, source: Path, pins: Path) -> dict:
     import numpy as np
     import torch
 
-    from clef_flash.author import load_head
-    from clef_flash.contract import BUCKETS, INPUT_ORDER, function_name
-    from clef_flash.records import random_records
-    from clef_flash.graph import ClefHeadGraph
-    from clef_flash.host import head_inputs
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.author import load_head
+    from clef_flash.head.contract import BUCKETS, INPUT_ORDER, function_name
+    from clef_flash.head.records import random_records
+    from clef_flash.head.graph import ClefHeadGraph
+    from clef_flash.head.host import head_inputs
+    from clef_flash.sources.pins import load_pins
 
     _, _, head = load_head(source, load_pins(pins), torch.float16)
     graph = ClefHeadGraph(head)

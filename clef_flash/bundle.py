@@ -19,7 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
+from .errors import OutputError, UsageError
+from .interrupts import check_interrupted
 
 _TMP_TAG = ".tmp-"
 _OLD_TAG = ".old-"
@@ -46,6 +47,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
+        check_interrupted()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -145,20 +147,56 @@ def check_output_path(final: Path, overwrite: bool) -> None:
         raise UsageError(f"{probe_root}: output folder is not writable ({exc.strerror})") from None
 
 
+def check_free_space(where: Path, need: int, what: str) -> None:
+    """Fail before the expensive work when ``what`` (``need`` bytes) cannot fit at ``where``."""
+    where = Path(where)
+    probe = next(p for p in [where, *where.parents] if p.exists())
+    free = shutil.disk_usage(probe).free
+    if free < need:
+        raise OutputError(f"{where}: not enough free space for {what} (needs about {need:,} bytes, {free:,} free)")
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    """The folders above ``path`` that do not exist yet, deepest first."""
+    out = []
+    for p in [path, *path.parents]:
+        if p.exists() or p.is_symlink():
+            break
+        out.append(p)
+    return out
+
+
 @contextlib.contextmanager
 def output_lock(final: Path) -> Iterator[None]:
-    """One writer per output path: a second concurrent build gets a clear error at once."""
+    """One writer per output path: a second concurrent build gets a clear error at once. The lock
+    file goes when the lock does, and the folders made for it go too when nothing landed in them
+    (a failed build leaves no empty ``--out`` behind)."""
+    made = _missing_parents(final.parent)
     final.parent.mkdir(parents=True, exist_ok=True)
     lock_path = final.parent / f".{final.name}.lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-    try:
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             raise UsageError(f"{final}: another build is writing this output (lock {lock_path.name})") from None
+        try:  # the file may have been unlinked by the holder we waited for: lock the one on disk
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
         yield
     finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)  # while still holding it: a waiter re-checks the inode above
         os.close(fd)
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty
 
 
 @contextlib.contextmanager
@@ -171,6 +209,7 @@ def staged_dir(final: Path, overwrite: bool) -> Iterator[Path]:
     try:
         yield tmp
         fsync_tree(tmp)
+        check_interrupted()  # an interrupt swallowed on the way (a __del__, a native callback) lands nothing
         if final.exists() or final.is_symlink():
             if final.is_symlink() or not overwrite:
                 raise UsageError(f"{final}: appeared during the build; not replacing it")
@@ -211,6 +250,7 @@ def staged_files(folder: Path, names: tuple[str, ...], overwrite: bool) -> Itera
     try:
         yield tmp
         fsync_tree(tmp)
+        check_interrupted()
         for name in names:
             os.replace(tmp / name, folder / name)
         _fsync_dir(folder)

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from .errors import ClefError
+from .interrupts import Interrupt
 
 app = typer.Typer(
     add_completion=False,
@@ -27,6 +28,7 @@ app = typer.Typer(
     rich_markup_mode=None,  # plain click help: `--help` in 0.3 s instead of 0.45 s (rich panels)
 )
 err = Console(stderr=True, highlight=False, soft_wrap=True, width=None if sys.stderr.isatty() else 160)  # one-line errors
+results = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)  # results people read
 _state = {"verbose": False}
 
 
@@ -57,7 +59,7 @@ def _run(fn: Callable[[], Any]) -> Any:
             err.print_exception()
         err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(exc.exit_code) from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupt):
         err.print("[bold red]interrupted[/]: nothing was written")
         raise typer.Exit(130) from None
     except typer.Exit:
@@ -104,6 +106,9 @@ RecipeArg = Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default:
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically).")]
 
 
+AuthorCodeOpt = Annotated[Optional[Path], typer.Option("--author-code", help=(
+    "The verified joint_schema_model.py (default: where `clef-export author-code` writes it)."))]
+
 # formats are the backends' names (backends.FORMATS), checked when the backend is looked up
 FORMAT_HELP = "Asset format: aimodel (Core AI, macOS 27) or mlpackage (Core ML, macOS 15+)."
 VerifyRecordsOpt = Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for the gate.")]
@@ -111,13 +116,14 @@ VerifyRecordsOpt = Annotated[Optional[int], typer.Option("--verify-records", hel
 
 @app.command("author-code")
 def author_code(
-    out: Annotated[Path, typer.Option("--out", help="Where to write joint_schema_model.py (git-ignored).")] = Path(".cache/author/joint_schema_model.py"),
+    out: Annotated[Optional[Path], typer.Option("--out", help="Where to write joint_schema_model.py (default: $CLEF_AUTHOR_CODE, "
+                                                              "a checkout's .cache/author/, else ~/.cache/clef-export/author/).")] = None,
 ) -> None:
     """Obtain the author's joint_schema_model.py from the clef-finetune==0.1.0 wheel, sha256-checked."""
-    from .author import obtain_author_code
+    from .sources.author import default_author_code, obtain_author_code
 
-    path = _run(lambda: obtain_author_code(out))
-    err.print(f"author code: {path} (sha256 verified)")
+    path = _run(lambda: obtain_author_code(out or default_author_code()))
+    results.print(f"author code: {escape(str(path))} (sha256 verified)")
 
 
 @app.command()
@@ -131,8 +137,8 @@ def fetch(
     json_out: JsonOpt = False,
 ) -> None:
     """Download the head's pinned files by commit (HF_HOME, HF_ENDPOINT, HF_HUB_OFFLINE honoured)."""
-    from .pins import load_pins
-    from .source import fetch as do_fetch
+    from .sources.pins import load_pins
+    from .sources.fetch import fetch as do_fetch
 
     if cache_dir and local_dir:
         err.print("[bold red]error:[/] give --cache-dir or --local-dir, not both")
@@ -165,7 +171,7 @@ def pin(
 ) -> None:
     """Pin a release: a Hub commit from the Hub's metadata, or a local release folder; writes pins.json."""
     from .errors import UsageError
-    from .pinning import pin_hub, pin_local
+    from .sources.pinning import pin_hub, pin_local
 
     def go():
         if Path(target).is_dir():
@@ -181,14 +187,14 @@ def pin(
     p, path = _run(go)
     if json_out:
         _emit_json({"pins": str(path), **p.model_dump(mode="json")})
-    err.print(f"[bold green]pinned[/] {p.label}: {len(p.files)} files -> {path}")
+    _human(json_out).print(f"[bold green]pinned[/] {escape(p.label)}: {len(p.files)} files -> {escape(str(path))}")
 
 
 @app.command("verify-hashes")
 def verify_hashes(source: SourceOpt = None, pins: PinsOpt = None, json_out: JsonOpt = False) -> None:
     """Streaming sha256 of every pinned file against the pins; exit 3 on a mismatch or a missing file."""
-    from .pins import load_pins
-    from .source import check_source, resolve_source
+    from .sources.pins import load_pins
+    from .sources.fetch import check_source, resolve_source
 
     def go():
         p = load_pins(_pins(pins, source))
@@ -207,7 +213,7 @@ def verify_hashes(source: SourceOpt = None, pins: PinsOpt = None, json_out: Json
         for c in checks:
             t.add_row(c.name, c.expected[:16] + "…", (c.actual or "-")[:16] + ("…" if c.actual else ""),
                       ("[green]ok[/]" if c.cause == "ok" else f"[yellow]{c.cause}[/]") if c.ok else f"[red]{c.cause}[/]")
-        err.print(t)
+        results.print(t)
     bad = [c for c in checks if not c.ok]
     if bad:
         err.print(f"[bold red]error:[/] {escape(str(Path(folder) / bad[0].name))}: {escape(bad[0].cause)}" + (f" (+{len(bad) - 1} more)" if len(bad) > 1 else ""))
@@ -219,13 +225,13 @@ def synth(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the synthetic snapshot into.")],
     config: Annotated[str, typer.Option("--config", help="Head configuration: real or tiny.")] = "real",
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
-    author_code: Annotated[Path, typer.Option("--author-code", help="The verified joint_schema_model.py.")] = Path(".cache/author/joint_schema_model.py"),
+    author_code: AuthorCodeOpt = None,
     overwrite: OverwriteOpt = False,
     lm_head_vocab: Annotated[Optional[int], typer.Option("--lm-head-vocab", help="Also write an lm_head shard + index of this many rows (the real vocabulary is 248320).")] = None,
 ) -> None:
     """Write a synthetic snapshot (random bf16 weights, fixed seed) and its pins.json; labelled synthetic."""
-    from .contract import CONFIGS
-    from .synth import write_synth
+    from .head.contract import CONFIGS
+    from .head.synth import write_synth
 
     if config not in CONFIGS:
         err.print(f"[bold red]error:[/] --config must be one of {', '.join(sorted(CONFIGS))}, got {config!r}")
@@ -233,7 +239,10 @@ def synth(
     if lm_head_vocab is not None and lm_head_vocab < 1:
         err.print("[bold red]error:[/] --lm-head-vocab must be >= 1")
         raise typer.Exit(2)
-    pins = _run(lambda: write_synth(out_dir, config_name=config, seed=seed, author_code=author_code, overwrite=overwrite,
+    from .sources.author import require_author_code
+
+    code = _run(lambda: require_author_code(author_code))
+    pins = _run(lambda: write_synth(out_dir, config_name=config, seed=seed, author_code=code, overwrite=overwrite,
                                     lm_head_vocab=lm_head_vocab))
     err.print(f"synthetic snapshot ({config}, seed {seed}) in {out_dir}; pins {out_dir / 'pins.json'} ({pins.label})")
 
@@ -243,7 +252,7 @@ def synth_release(
     out_dir: Annotated[Path, typer.Argument(help="Folder to write the release into.")],
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
     backbone: Annotated[str, typer.Option("--backbone", help="qwen3_5: a real tiny Qwen3.5 backbone and byte-level tokenizer (needs the reference extra); stub: the export's tensors only.")] = "qwen3_5",
-    author_code: Annotated[Path, typer.Option("--author-code", help="The verified joint_schema_model.py.")] = Path(".cache/author/joint_schema_model.py"),
+    author_code: AuthorCodeOpt = None,
     variant: Annotated[str, typer.Option("--variant", help="tiny: make-tiny's configuration; other: another Qwen3.5 text "
                                          "configuration (widths, layer pattern, conv kernel), sharded with an index.")] = "tiny",
     size: Annotated[Optional[str], typer.Option("--size", help="9b: the 9B's text configuration at real width, written "
@@ -252,7 +261,8 @@ def synth_release(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Write a random release in clef-finetune's layout: tiny (make-tiny's head configuration), or at real width (--size)."""
-    from .synth import MAKE_TINY_HEAD, OTHER_HEAD, VARIANTS, write_release
+    from .head.synth import MAKE_TINY_HEAD, OTHER_HEAD, VARIANTS, write_release
+    from .sources.author import require_author_code
 
     if size is not None or layers is not None:
         from .backbone.synth import write_wide_release
@@ -260,7 +270,8 @@ def synth_release(
         if size is None:
             err.print("[bold red]error:[/] --layers needs --size")
             raise typer.Exit(2)
-        _run(lambda: write_wide_release(out_dir, size=size, layers=layers, seed=seed, author_code=author_code,
+        code = _run(lambda: require_author_code(author_code))
+        _run(lambda: write_wide_release(out_dir, size=size, layers=layers, seed=seed, author_code=code,
                                         overwrite=overwrite, log=_log))
         err.print(f"random {size} release{f' ({layers} layers)' if layers else ''}, seed {seed}, in {out_dir}; "
                   f"pin it with clef-export pin {out_dir}")
@@ -273,13 +284,15 @@ def synth_release(
         err.print(f"[bold red]error:[/] --variant must be one of {', '.join(VARIANTS)} (other needs --backbone qwen3_5), got {variant!r}")
         raise typer.Exit(2)
 
+    code = _run(lambda: require_author_code(author_code))  # before the 20 s import of the reference
+
     def go():
         if backbone == "qwen3_5":
-            from .reference import import_reference
+            from .sources.reference import import_reference
 
             import_reference()
         return write_release(out_dir, config_name=MAKE_TINY_HEAD if variant == "tiny" else OTHER_HEAD, seed=seed,
-                             author_code=author_code, backbone=backbone, overwrite=overwrite, variant=variant)
+                             author_code=code, backbone=backbone, overwrite=overwrite, variant=variant)
 
     _run(go)
     err.print(f"tiny random release ({backbone} backbone, seed {seed}) in {out_dir}; pin it with clef-export pin {out_dir}")
@@ -292,191 +305,157 @@ def build(
     pins: PinsOpt = None,
     out: Annotated[Path, typer.Option("--out", help="Output folder; the bundle lands in OUT/<recipe name>/.")] = Path("build"),
     overwrite: OverwriteOpt = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check pins, source and output; build nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Check options, recipe, pins, source and output; build nothing.")] = False,
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Run the gate on the saved asset before it lands.")] = True,
-    verify_records: VerifyRecordsOpt = None,
-    aot_compile: Annotated[bool, typer.Option("--aot", help="AOT-compile after the build (macOS, Xcode 27).")] = False,
+    verify_records: Annotated[Optional[int], typer.Option("--verify-records", help="Records per function for a head's gate (a backbone's gate runs fixed lengths).")] = None,
+    aot_compile: Annotated[bool, typer.Option("--aot", help="AOT-compile a head's .aimodel after the build (macOS, Xcode 27).")] = False,
     format: Annotated[Optional[str], typer.Option(
-        "--format", help=FORMAT_HELP + " Picks the format's recipe in conversion/ when none is named.")] = None,
+        "--format", help=FORMAT_HELP + " Picks the format's head recipe in conversion/ when none is named.")] = None,
     name: NameOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Verify hashes, trace ClefHeadGraph per bucket, convert to one multi-function asset, write metadata.json."""
-    from .backends import DEFAULT_FORMAT, backend
+    """Build a head (ClefHeadGraph per bucket, one multi-function asset) or a backbone (the Qwen3.5 decoder with states) from its recipe, gated before it lands."""
     from .build import BuildConfig, build as do_build
     from .errors import UsageError
-    from .recipe import format_recipe, is_backbone, load_recipe
+    from .formats import DEFAULT_FORMAT, backend
+    from .recipe import format_recipe, load_recipe
 
     def go():
+        if verify_records is not None and verify_records < 1:
+            raise UsageError("--verify-records must be >= 1")
+        if format is not None:
+            backend(format)  # an unknown format: exit 2 naming it
         recipe_path = recipe or format_recipe(format or DEFAULT_FORMAT)
         r = load_recipe(recipe_path)
-        if is_backbone(r):
-            from .backbone.build import build_backbone
-
-            if aot_compile:
-                raise UsageError(f"{recipe_path}: --aot is not offered for a backbone bundle yet")
-            return build_backbone(BuildConfig(recipe=r, recipe_path=recipe_path, source=source,
-                                              pins_path=_pins(pins, source), out=out, name=name, overwrite=overwrite,
-                                              dry_run=dry_run, verify=verify), log=_log)
-        if format is not None and r.format != backend(format).FORMAT:
-            raise UsageError(f"{recipe_path}: the recipe's format is {r.format}, not --format {format}")
-        if aot_compile and not backend(r.format).AOT:
-            raise UsageError(f"{recipe_path}: --aot compiles .aimodel assets with coreai-build; this recipe builds {r.format}")
         cfg = BuildConfig(recipe=r, recipe_path=recipe_path, source=source, pins_path=_pins(pins, source), out=out, name=name,
-                          overwrite=overwrite, dry_run=dry_run, verify=verify, verify_records=verify_records)
+                          overwrite=overwrite, dry_run=dry_run, verify=verify, verify_records=verify_records,
+                          format=format, aot=aot_compile)
         if aot_compile and not dry_run:
-            from .aot import find_coreai_build
+            from .build import steps
+            from .build.aot import find_coreai_build
 
+            steps(r).refuse(cfg)  # --aot on a model or format that cannot take it: exit 2 first
             find_coreai_build()  # missing toolchain: exit 5 before the expensive work
         res = do_build(cfg, log=_log)
         if aot_compile and not dry_run:
-            from .aot import AotConfig, aot_compile as compile_bundle
+            import time
 
+            from .build.aot import AotConfig, aot_compile as compile_bundle
+
+            t0 = time.perf_counter()
             res.manifest = compile_bundle(AotConfig(bundle=res.bundle), log=_log)
-        return res
+            res.seconds["aot"] = round(time.perf_counter() - t0, 3)
+            res.seconds["total"] = round(res.seconds["total"] + res.seconds["aot"], 3)
+        return r, res
 
-    result = _run(go)
+    r, result = _run(go)
+    human = _human(json_out)
     if dry_run:
         if json_out:
             _emit_json(result.plan)
-        else:
-            err.print(f"dry run: would build {result.plan['bundle']} from {result.plan['source']} "
-                      f"({', '.join(result.plan['functions'])}); hashes verified")
+        human.print(f"dry run: would build {escape(result.plan['bundle'])} from {escape(result.plan['source'])} "
+                    f"({', '.join(result.plan['functions'])}); options, recipe, pins, hashes and free space checked")
         return
-    m = result.manifest
     if json_out:
-        _emit_json(m.model_dump(mode="json"))
-    from .backbone.manifest import BackboneManifest
+        _emit_json(result.manifest.model_dump(mode="json"))  # the manifest, as written
+    from .build import steps
 
-    if isinstance(m, BackboneManifest):
-        v = result.record.get("verify") or {}
-        err.print(f"[bold green]built[/] {result.bundle}: main.mlirb {m.export.main_mlirb.bytes:,} bytes "
-                  f"({m.export.mlirb_over_weights:.4f} x the fp16 weights), total {m.export.seconds['total']:.1f} s"
-                  + (" [yellow](synthetic source)[/]" if result.record.get("synthetic") else ""))
-        if v.get("records"):
-            worst = max(r["rel_max_abs_d"] for r in v["records"].values())
-            err.print(f"verified: {len(v['records'])} records, rel max |d| {worst:.2e} (bar {v['bars']['rel_max_abs_d']:g}); "
-                      f"red arms " + ", ".join(f"{k} {x:.2g}" for k, x in v["red"].items()))
-        for note in v.get("notes", []):
-            err.print(f"[yellow]not run here[/]: {note}")
-        return
-    s = m.export.seconds
-    from .backends import of_manifest
-
-    size = of_manifest(m).summary(m)
-    err.print(f"[bold green]built[/] {result.bundle}: {size}, export {s.export:.1f} s, total {s.total:.1f} s"
-              + (" [yellow](synthetic source)[/]" if result.record.get("synthetic") else ""))
+    s = result.seconds
+    stages = ", ".join(f"{k} {v:.1f} s" for k, v in s.items() if k not in ("total", "export_stages"))
+    human.print(f"[bold green]built[/] {escape(str(result.bundle))}: {steps(r).summary(result.manifest)}; "
+                f"total {s['total']:.1f} s ({stages})" + (" [yellow](synthetic source)[/]" if result.record.get("synthetic") else ""))
     v = result.record.get("verify")
-    if v and v["max_abs_dp"]:
-        err.print(f"verified: max |d p| {max(v['max_abs_dp'].values()):.2e}, max |d logit| {max(v['max_abs_dlogit'].values()):.2e}")
-    for note in (v or {}).get("notes", []):
-        err.print(f"[yellow]not run here[/]: {note}")
-    if v and not v["max_abs_dp"]:
-        err.print(f"checked: {sum(v['checks'].values())}/{len(v['checks'])} checks of the saved package passed")
+    if v is None:
+        human.print("[yellow]not verified[/]: the gate was skipped (--no-verify or the recipe's verify.enabled)")
+    else:
+        human.print(f"verified: {escape(v['headline'])}")
+        for note in v.get("notes", []):
+            human.print(f"[yellow]not run here[/]: {escape(note)}")
 
 
-def _print_report(report) -> None:
-    from .gate import TOLERANCES
+def _human(json_out: bool) -> Console:
+    """Where the human-readable result goes: stdout, or stderr when stdout carries --json."""
+    return err if json_out else results
 
-    t = Table(title=f"verify {report.bundle}")
-    for col in ("function", "shape", "records", "max |d logit|", "max |d p|", "argmax", "padding 0", "re-run", "result"):
-        t.add_column(col)
-    for r in report.results:
-        t.add_row(r.function, f"T={r.bucket}", str(r.records), f"{r.max_abs_dlogit:.2e}", f"{r.max_abs_dp:.2e}",
-                  f"{r.argmax_agree}/{r.questions}", "yes" if r.padding_max_abs == 0 else f"{r.padding_max_abs:.1e}",
-                  "identical" if r.rerun_identical else "differs", "[green]pass[/]" if r.ok else "[red]FAIL[/]")
-    err.print(t)
+
+def _print_report(report, console: Console) -> None:
+    """Any gate's report: its table, its checks, its lines, its bars, its notes."""
+    if report.columns():
+        t = Table(title=escape(report.title()))
+        for col in [*report.columns(), "result"]:
+            t.add_column(col)
+        for cells, verdict in report.rows():
+            colour = {"pass": "green", "near-tie": "yellow"}.get(verdict, "red")
+            t.add_row(*[escape(c) for c in cells], f"[{colour}]{verdict}[/]")
+        console.print(t)
     for name, ok, detail in report.checks:
-        err.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
-    if any(r.red for r in report.results):
-        for r in report.results:
-            err.print(f"  red arms {r.function}: " + ", ".join(f"{k} moved p by {v:.3g}" for k, v in r.red.items()))
-    err.print("  bars: " + "; ".join(f"{k} <= {v[0]:g}" for k, v in TOLERANCES.items()))
+        console.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
+    for line in report.lines():
+        console.print(f"  {escape(line)}")
+    if report.bars():
+        console.print("  bars: " + "; ".join(f"{k} {v:g}" for k, v in report.bars().items()))
     for note in report.notes:
-        err.print(f"  [yellow]not run here[/]: {note}")
+        console.print(f"  [yellow]not run here[/]: {escape(note)}")
 
 
 @app.command()
 def verify(
-    bundle: Annotated[Path, typer.Argument(help="A built bundle folder (with metadata.json).")],
+    bundle: Annotated[Path, typer.Argument(help="A built bundle folder (with metadata.json): a head or a backbone.")],
     source: SourceOpt = None,
     pins: PinsOpt = None,
-    records: Annotated[int, typer.Option("--records", help="Seeded random records per function.")] = 4,
+    records: Annotated[Optional[int], typer.Option("--records", help="Seeded random records per function (head; default 4).")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    recorded: Annotated[Optional[Path], typer.Option("--recorded", help="An .npz of recorded records instead.")] = None,
-    red: Annotated[bool, typer.Option("--red", help="Add perturbed arms that the gate must see.")] = False,
+    recorded: Annotated[Optional[Path], typer.Option("--recorded", help="An .npz of recorded records instead (head).")] = None,
+    red: Annotated[bool, typer.Option("--red", help="Add perturbed arms that the gate must see (a backbone's always run).")] = False,
     transcript: Annotated[Optional[Path], typer.Option("--transcript", help="Write the JSON transcript here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run the asset (Core AI; Core ML on macOS) against the author's head; exit 4 if any bar or check fails."""
+    """Run a head's asset against the author's head, or a backbone's against transformers' text model; exit 4 if any bar or check fails."""
     from .bundle import atomic_write_json
-    from .gate import VerifyConfig, verify_bundle
+    from .gate import GateOptions, verify as do_verify
 
-    if records < 1:
+    if records is not None and records < 1:
         err.print("[bold red]error:[/] --records must be >= 1")
         raise typer.Exit(2)
-    if _is_backbone_bundle(bundle):
-        _verify_backbone(bundle, source, pins, seed, transcript, json_out)
-        return
-    cfg = VerifyConfig(bundle=bundle, source=source, pins_path=_pins(pins, source), records=records, seed=seed, red=red, recorded=recorded)
-    report = _run(lambda: verify_bundle(cfg, log=_log))
+    _run(lambda: _check_out_file(transcript, "--transcript"))
+    opts = GateOptions(bundle=bundle, source=source, pins=pins, seed=seed, records=records, recorded=recorded, red=red)
+    report = _run(lambda: do_verify(opts, log=_log))
     if transcript:
         _run(lambda: atomic_write_json(transcript, report.transcript))
     if json_out:
         _emit_json(report.transcript)
-    _print_report(report)
+    human = _human(json_out)
+    _print_report(report, human)
     if not report.ok:
         for f in report.failures:
             err.print(f"[bold red]FAIL[/] {escape(f)}")
         raise typer.Exit(4)
     if report.notes:
-        err.print(f"[bold green]checked[/]: {len(report.checks)} checks passed; outputs not compared on this platform")
+        human.print(f"[bold green]checked[/]: {len(report.checks)} checks passed; outputs not compared here (see above)")
     else:
-        err.print("[bold green]verified[/]: every bar passed")
+        human.print("[bold green]verified[/]: every bar passed")
 
 
-def _is_backbone_bundle(bundle: Path) -> bool:
-    from .backbone.manifest import KIND
+def _check_out_file(path: Optional[Path], option: str) -> None:
+    """An output file named by an option, checked before the work: not a folder, its folder writable."""
+    from .errors import UsageError
 
-    try:
-        return json.loads((Path(bundle) / "metadata.json").read_text(encoding="utf-8")).get("kind") == KIND
-    except (OSError, ValueError, AttributeError):
-        return False
+    if path is None:
+        return
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{option} {path}: is a folder; name a file")
+    parent = path.parent if str(path.parent) else Path(".")
+    probe = next((p for p in [parent, *parent.parents] if p.exists()), Path("."))
+    if not probe.is_dir():
+        raise UsageError(f"{option} {path}: {probe} is not a folder")
+    import os
 
-
-def _verify_backbone(bundle: Path, source, pins, seed: int, transcript, json_out: bool) -> None:
-    from .backbone.gate import BackboneVerifyConfig, verify_backbone
-    from .bundle import atomic_write_json
-
-    cfg = BackboneVerifyConfig(bundle=bundle, source=source, pins_path=_pins(pins, source), seed=seed)
-    report = _run(lambda: verify_backbone(cfg, log=_log))
-    if transcript:
-        _run(lambda: atomic_write_json(transcript, report.transcript))
-    if json_out:
-        _emit_json(report.transcript)
-    t = Table(title=f"verify {bundle} (backbone, compute {report.compute})")
-    for col in ("record", "tokens", "calls", "rel max |d|", "min row cosine", "result"):
-        t.add_column(col)
-    bars = report.summary()["bars"]
-    for r in report.results:
-        inside = r.rel_max_abs_d <= bars["rel_max_abs_d"] and r.min_row_cosine >= bars["min_row_cosine"]
-        ok = inside if r.arm == "main" else not inside
-        t.add_row(r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", str(r.tokens), str(r.calls),
-                  f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}", "[green]pass[/]" if ok else "[red]FAIL[/]")
-    err.print(t)
-    for name, ok, detail in report.checks:
-        err.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
-    err.print("  bars: " + "; ".join(f"{k} {v:g}" for k, v in bars.items()))
-    for note in report.notes:
-        err.print(f"  [yellow]not run here[/]: {note}")
-    if not report.ok:
-        for f in report.failures:
-            err.print(f"[bold red]FAIL[/] {escape(f)}")
-        raise typer.Exit(4)
-    err.print("[bold green]verified[/]: every bar passed" + (" (numeric check not run, see above)" if report.notes else ""))
+    if not os.access(probe, os.W_OK):
+        raise UsageError(f"{option} {path}: {probe} is not writable")
 
 
-def _print_check(report) -> None:
+def _print_check(report, console: Console) -> None:
     t = report.transcript
     s = t["summary"]
     tab = Table(title=f"check-release {t['release']} vs {t['bundle']}")
@@ -503,13 +482,13 @@ def _print_check(report) -> None:
     row("buckets used", ", ".join(f"{k}: {v}" for k, v in s["functions_used"].items()), "", True)
     row("wall time", f"{s['seconds']['total']:.1f} s (reference {s['seconds']['reference']:.1f} s, asset "
         f"{s['seconds']['shipped']:.1f} s)", "", True)
-    err.print(tab)
+    console.print(tab)
     for e in t["does_not_fit"]:
-        err.print(f"  [yellow]does not fit[/] {escape(e['id'])} (line {e['line']}, {e['tokens']} tokens): {escape(e['why'])}")
+        console.print(f"  [yellow]does not fit[/] {escape(e['id'])} (line {e['line']}, {e['tokens']} tokens): {escape(e['why'])}")
     for name, ok, detail in report.checks:
-        err.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
+        console.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
     if t["red"]:
-        err.print(f"  red arm: {t['red']} (the shipped path perturbed; this run must fail)")
+        console.print(f"  red arm: {t['red']} (the shipped path perturbed; this run must fail)")
 
 
 @app.command("check-release")
@@ -527,24 +506,26 @@ def check_release_cmd(
 ) -> None:
     """Answer requests with the author's systemone and with the shipped head on the same hidden rows; exit 4 on any disagreement."""
     from .bundle import atomic_write_json
-    from .check_release import CheckConfig, check_release
+    from .release.check import CheckConfig, check_release
 
     cfg = CheckConfig(release=release, bundle=bundle, table=table, requests=requests, device=device, dtype=dtype, red=red,
                       backbone=backbone)
+    _run(lambda: _check_out_file(transcript, "--transcript"))  # before the run, not after it
     report = _run(lambda: check_release(cfg, log=_log))
-    if transcript:
-        _run(lambda: atomic_write_json(transcript, report.transcript))
+    human = _human(json_out)
     if json_out:
         _emit_json(report.transcript["summary"])
-    _print_check(report)
+    _print_check(report, human)
+    if transcript:
+        _run(lambda: atomic_write_json(transcript, report.transcript))
     if not report.ok:
         for f in report.failures[:20]:
             err.print(f"[bold red]FAIL[/] {escape(f)}")
         if len(report.failures) > 20:
             err.print(f"[bold red]FAIL[/] … and {len(report.failures) - 20} more (see --transcript)")
         raise typer.Exit(4)
-    err.print(f"[bold green]answers agree[/]: {report.transcript['summary']['checked']} requests, "
-              f"{report.transcript['summary']['questions']} questions")
+    human.print(f"[bold green]answers agree[/]: {report.transcript['summary']['checked']} requests, "
+                f"{report.transcript['summary']['questions']} questions")
 
 
 @app.command()
@@ -556,13 +537,13 @@ def aot(
     json_out: JsonOpt = False,
 ) -> None:
     """AOT-compile the asset with `xcrun coreai-build` (macOS, Xcode 27); fills aot and compilation."""
-    from .aot import AotConfig, aot_compile
+    from .build.aot import AotConfig, aot_compile
 
     cfg = AotConfig(bundle=bundle, platform=platform, preferred_compute=preferred_compute, architecture=architecture)
     m = _run(lambda: aot_compile(cfg, log=_log))
     if json_out:
         _emit_json(m.model_dump(mode="json"))
-    err.print(f"[bold green]compiled[/] {bundle} for {architecture} in {m.aot.seconds:.2f} s")
+    _human(json_out).print(f"[bold green]compiled[/] {escape(str(bundle))} for {architecture} in {m.aot.seconds:.2f} s")
 
 
 @app.command()
@@ -594,7 +575,7 @@ def release(
     summary = _run(go)
     if json_out:
         _emit_json(summary)
-    err.print(f"[bold green]released[/] {summary['dist']}: {len(summary['files'])} files + SHA256SUMS")
+    _human(json_out).print(f"[bold green]released[/] {escape(summary['dist'])}: {len(summary['files'])} files + SHA256SUMS")
 
 
 @app.command()
@@ -608,7 +589,7 @@ def publish(
     json_out: JsonOpt = False,
 ) -> None:
     """Upload dist/ in one commit with a model card written from its records; read it back by commit."""
-    from .publish import PublishConfig, publish as do_publish
+    from .release.publish import PublishConfig, publish as do_publish
 
     cfg = PublishConfig(dist=dist, repo=repo, revision=revision, private=private, check=check, dry_run=dry_run)
     result = _run(lambda: do_publish(cfg, log=_log))
@@ -621,7 +602,7 @@ def publish(
     if dry_run:
         err.print(f"[bold green]plan[/] {len(result['files'])} files, {result['bytes']:,} bytes to {repo}@{revision}; nothing sent")
     else:
-        err.print(f"[bold green]published[/] {repo} commit {result['commit']}")
+        _human(json_out).print(f"[bold green]published[/] {repo} commit {result['commit']}")
 
 
 @app.command("lm-head-table")
@@ -633,32 +614,32 @@ def lm_head_table_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Write lm_head.weight as raw fp16 (the host's lexical table) with a checked JSON sidecar."""
-    from .lm_head import lm_head_table
-    from .pins import load_pins
+    from .sources.lm_head import lm_head_table
+    from .sources.pins import load_pins
 
     path = _pins(pins, source)
     result = _run(lambda: lm_head_table(source, load_pins(path), path, out, overwrite=overwrite, log=_log))
     if json_out:
         _emit_json(result)
-    err.print(f"[bold green]wrote[/] {result['table']}: {result['shape']} fp16, {result['bytes']:,} bytes, sha256 {result['sha256'][:16]}…")
+    _human(json_out).print(f"[bold green]wrote[/] {escape(result['table'])}: {result['shape']} fp16, {result['bytes']:,} bytes, sha256 {result['sha256'][:16]}…")
 
 
 @app.command("verify-artifact")
 def verify_artifact(bundle: Annotated[Path, typer.Argument(help="A built bundle folder.")], json_out: JsonOpt = False) -> None:
     """Re-hash the bundle tree against its manifest, main.hash and build record; exit 3 on any change."""
-    from .artifact import check_artifact
+    from .gate import check_artifact
 
     result = _run(lambda: check_artifact(bundle))
     if json_out:
         _emit_json(result)
-    err.print(f"[bold green]ok[/] {bundle}: {result['files']} files match the build record and manifest")
+    _human(json_out).print(f"[bold green]ok[/] {escape(str(bundle))}: {result['files']} files match the build record and manifest")
 
 
 @app.command()
 def schema(format: Annotated[Optional[str], typer.Option("--format", help=FORMAT_HELP)] = None,
            kind: Annotated[str, typer.Option("--kind", help="head (decision-head) or backbone (decision-backbone).")] = "head") -> None:
     """Print the JSON Schema of metadata.json (manifests/metadata*.schema.json hold them)."""
-    from .backends import DEFAULT_FORMAT, json_schema
+    from .formats import DEFAULT_FORMAT, json_schema
 
     if kind not in ("head", "backbone"):
         err.print(f"[bold red]error:[/] --kind must be head or backbone, got {kind!r}")
@@ -672,36 +653,41 @@ def schema(format: Annotated[Optional[str], typer.Option("--format", help=FORMAT
 
 
 @app.command()
-def inspect(bundle: Annotated[Path, typer.Argument(help="A built bundle folder.")], json_out: JsonOpt = False) -> None:
-    """Functions, inputs, outputs, sizes and source, from the asset and the manifest."""
-    from .artifact import inspect_bundle
+def inspect(bundle: Annotated[Path, typer.Argument(help="A built bundle folder: a head or a backbone.")], json_out: JsonOpt = False) -> None:
+    """Functions, inputs, states, outputs, sizes and source, from the asset and the manifest (head or backbone)."""
+    from .gate import inspect as inspect_bundle
 
     info = _run(lambda: inspect_bundle(bundle))
     if json_out:
         _emit_json(info)
         return
-    err.print(f"[bold]{info['name']}[/] ({info['kind']}, {info['format']}), weights {info['weights']}, "
+    extra = f", compute {info['compute']}" if "compute" in info else ""
+    results.print(f"[bold]{escape(info['name'])}[/] ({info['kind']}, {info['format']}), weights {info['weights']}{extra}, "
               f"{info['asset_bytes']:,} bytes")
     src = info["source"]
-    err.print(f"source: {src['hf_id']}" + (f"@{src['revision'][:12]}" if src.get("revision") else " (local release)"))
+    results.print(f"source: {escape(src['hf_id'])}" + (f"@{src['revision'][:12]}" if src.get("revision") else " (local release)"))
+    if "language" in info:
+        results.print("language: " + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in info["language"].items()))
     t = Table()
-    for col in ("function", "inputs", "outputs"):
+    kinds = [k for k in ("inputs", "states", "outputs") if any(k in fn for fn in info["functions"])]
+    for col in ("function", *kinds):
         t.add_column(col)
     for fn in info["functions"]:
-        t.add_row(fn["name"], ", ".join(f"{i['name']} {i['shape']} {i['dtype']}" for i in fn["inputs"]),
-                  ", ".join(f"{o['name']} {o['shape']} {o['dtype']}" for o in fn["outputs"]))
-    err.print(t)
-
-
-def _terminated(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM unwinds like Ctrl-C: staged folders, the runtime's copies removed
+        t.add_row(fn["name"], *[", ".join(f"{i['name']} {i['shape']} {i['dtype']}" for i in fn.get(k, [])) for k in kinds])
+    results.print(t)
 
 
 def main() -> None:
-    import signal
+    """The entry point. A signal raises ``interrupts.Interrupt`` (not a ``KeyboardInterrupt``, which
+    click would turn into "Aborted!" and exit 1 outside ``_run``): one line and exit 130 everywhere."""
+    from .interrupts import Interrupt, install
 
-    signal.signal(signal.SIGTERM, _terminated)
-    app()
+    install()  # Ctrl-C and SIGTERM: exit 130 at any moment, nothing landed (interrupts)
+    try:
+        app()
+    except Interrupt:
+        err.print("[bold red]interrupted[/]: nothing was written")
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from . import contract
+from .head import contract
 from .digest import sha256_file
 from .errors import IntegrityError
-from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
+from .sources.pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
 
 METADATA_VERSION = "0.2"
 KIND = "decision-head"

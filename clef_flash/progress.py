@@ -67,9 +67,13 @@ def progress(desc: str, total: int, unit: str = "", *, terminal: bool | None = N
 
 
 def counting(call: Callable[..., Awaitable[T]], tick: Callable[[int], None]) -> Callable[..., Awaitable[T]]:
-    """The async ``call`` wrapped to ``tick()`` once each call completes (asset calls, chunk calls)."""
+    """The async ``call`` wrapped to ``tick()`` once each call completes (asset calls, chunk calls);
+    after Ctrl-C it refuses to start another (``interrupts``)."""
+
+    from .interrupts import refuse_if_interrupted
 
     async def wrapped(*args, **kwargs) -> T:
+        refuse_if_interrupted()  # no runtime call starts after Ctrl-C (interrupts.run_async)
         out = await call(*args, **kwargs)
         tick(1)
         return out

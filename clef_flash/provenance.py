@@ -13,7 +13,7 @@ from typing import Any
 
 from . import __version__
 from .errors import UsageError
-from .pins import Pins
+from .sources.pins import Pins
 
 # What decides the bytes of an asset, besides the sources: these packages' versions, and the
 # platform (the Core AI compiler is one native build per platform).

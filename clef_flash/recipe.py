@@ -6,9 +6,9 @@ import tomllib
 from pathlib import Path, PurePath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .contract import BUCKETS, O_PAD, Q_PAD, Shape
+from .head.contract import BUCKETS, O_PAD, Q_PAD, Shape
 from .data import data_dir
 from .errors import UsageError, first_validation_error
 
@@ -18,13 +18,13 @@ DEFAULT_RECIPE = CONVERSION / "head_bucket_fp16w32.toml"
 
 def format_recipe(fmt: str) -> Path:
     """The recipe ``build --format F`` uses when no recipe is named: the backend names it."""
-    from .backends import backend
+    from .formats import backend
 
     return CONVERSION / backend(fmt).RECIPE
 
 
 def _default_format() -> str:
-    from .backends import DEFAULT_FORMAT
+    from .formats import DEFAULT_FORMAT
 
     return DEFAULT_FORMAT
 
@@ -44,6 +44,7 @@ class Recipe(BaseModel):
 
     # the bundle's name; ``{release}`` stands for the release's name (``clef_flash`` for
     # Cloudflare/clef-flash, a local release's ``--name``)
+    model: Literal["head"] = "head"
     name: str = Field(pattern=r"^(\{release\}|[A-Za-z0-9])[A-Za-z0-9_.-]*$")
     shape: Literal["bucket"] = "bucket"
     buckets: tuple[int, ...] = BUCKETS
@@ -56,10 +57,21 @@ class Recipe(BaseModel):
     @field_validator("format")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        from .backends import FORMATS
+        from .formats import FORMATS
 
         if v not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}")
+        return v
+
+    @field_validator("buckets")
+    @classmethod
+    def _increasing(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        if not v:
+            raise ValueError("buckets must name at least one T")
+        if any(b < 1 for b in v):
+            raise ValueError(f"buckets must be positive, got {list(v)}")
+        if any(a >= b for a, b in zip(v, v[1:])):
+            raise ValueError(f"buckets must be strictly increasing, got {list(v)}")
         return v
 
     @field_validator("name")
@@ -114,7 +126,16 @@ class BackboneRecipe(BaseModel):
         chunk = info.data.get("chunk")
         if chunk and v % chunk:
             raise ValueError(f"context {v} must be a multiple of the chunk {chunk}")
+        if chunk and v < 2 * chunk:  # the gate's state arm needs a state carried from one chunk to the next
+            raise ValueError(f"context {v} must hold at least two chunks of {chunk} (the gate's state arm "
+                             f"runs a record of two or more chunks)")
         return v
+
+    @model_validator(mode="after")
+    def _long_record_fits(self):
+        if self.verify.long_record is not None and self.verify.long_record > self.context:
+            raise ValueError(f"verify.long_record {self.verify.long_record} exceeds the context {self.context}")
+        return self
 
     def bundle_name(self, release: str) -> str:
         return self.name.replace(RELEASE, release)
@@ -127,18 +148,26 @@ class BackboneRecipe(BaseModel):
 AnyRecipe = Recipe | BackboneRecipe
 
 
+MODELS = {"head": Recipe, "backbone": BackboneRecipe}  # a recipe's ``model`` -> its schema
+
+
 def load_recipe(path: Path | None) -> AnyRecipe:
+    """The recipe at ``path``, checked whole: ``UsageError`` (exit 2) naming the file and the cause."""
     path = Path(path) if path else DEFAULT_RECIPE
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UsageError(f"{path}: recipe not found") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a folder, not a recipe file (name a conversion/*.toml)") from None
+    except (UnicodeDecodeError, PermissionError) as exc:
+        raise UsageError(f"{path}: cannot read the recipe ({exc})") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: recipe is not valid TOML ({exc})") from None
+    model = data.get("model", "head")
+    if model not in MODELS:
+        raise UsageError(f"{path}: model {model!r} is not one this tool builds (known: {', '.join(MODELS)})")
     try:
-        if isinstance(data, dict) and data.get("model", "head") == "backbone":
-            return BackboneRecipe.model_validate(data)
-        data = {k: v for k, v in data.items() if not (k == "model" and v == "head")}
-        return Recipe.model_validate(data)
+        return MODELS[model].model_validate(data)
     except ValidationError as exc:
         raise UsageError(f"{path}: invalid recipe {first_validation_error(exc)}") from None

@@ -18,7 +18,7 @@ TINY_RECIPE = ROOT / "conversion" / "head_bucket_fp16w32.toml"
 
 @pytest.fixture(scope="session")
 def author_code(tmp_path_factory) -> Path:
-    from clef_flash.author import obtain_author_code
+    from clef_flash.sources.author import obtain_author_code
 
     env = os.environ.get("CLEF_AUTHOR_CODE")
     path = Path(env) if env else ROOT / ".cache" / "author" / "joint_schema_model.py"
@@ -27,13 +27,13 @@ def author_code(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def author_module(author_code):
-    from clef_flash.author import AUTHOR_SHA256, load_author_module
+    from clef_flash.sources.author import AUTHOR_SHA256, load_author_module
 
     return load_author_module(author_code, AUTHOR_SHA256)
 
 
 def _synth(tmp_path_factory, author_code, config: str, seed: int, lm_head_vocab: int | None = None) -> Path:
-    from clef_flash.synth import write_synth
+    from clef_flash.head.synth import write_synth
 
     out = tmp_path_factory.mktemp(f"src-{config}-{seed}") / "snapshot"
     write_synth(out, config_name=config, seed=seed, author_code=author_code, lm_head_vocab=lm_head_vocab)
@@ -103,8 +103,8 @@ def whole_dist(tmp_path_factory, author_code) -> dict[str, Path]:
     from typer.testing import CliRunner
 
     from clef_flash.cli import app
-    from clef_flash.pinning import pin_local
-    from clef_flash.synth import MAKE_TINY_HEAD, write_release
+    from clef_flash.sources.pinning import pin_local
+    from clef_flash.head.synth import MAKE_TINY_HEAD, write_release
 
     root = tmp_path_factory.mktemp("whole-dist")
     rel = write_release(root / "licensed_release", config_name=MAKE_TINY_HEAD, seed=3, author_code=author_code,

@@ -21,8 +21,8 @@ runner = CliRunner()
 
 
 def _release(root: Path, author_code: Path, variant: str, seed: int, name: str) -> Path:
-    from clef_flash.pinning import pin_local
-    from clef_flash.synth import MAKE_TINY_HEAD, OTHER_HEAD, write_release
+    from clef_flash.sources.pinning import pin_local
+    from clef_flash.head.synth import MAKE_TINY_HEAD, OTHER_HEAD, write_release
 
     rel = write_release(root / name, config_name=MAKE_TINY_HEAD if variant == "tiny" else OTHER_HEAD, seed=seed,
                         author_code=author_code, backbone="qwen3_5", variant=variant)
@@ -96,7 +96,7 @@ def test_eager_chunks_match_transformers_full_forward(releases, tmp_path, varian
     import torch
 
     from clef_flash.backbone import host
-    from clef_flash.backbone.release import release_config
+    from clef_flash.backbone.files import release_config
     from clef_flash.backbone.contract import Chunking
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
     from clef_flash.backbone.weights import load_weights
@@ -180,7 +180,7 @@ def test_streamed_save_writes_what_save_asset_writes(tmp_path):
 
     from coreai_torch import TorchConverter, get_decomp_table
 
-    from clef_flash.aimodel import save_streamed
+    from clef_flash.formats.aimodel import save_streamed
 
     lin = torch.nn.Linear(300, 600, bias=False).half()
     ep = torch.export.export(lambda_module(lin), (torch.zeros(2, 300),), strict=False).run_decompositions(get_decomp_table())
@@ -198,7 +198,7 @@ def test_streamed_save_writes_what_save_asset_writes(tmp_path):
 
     # the rename pass reads the file once: each blob's name and the renamed file's sha256 from it
     from clef_flash.digest import sha256_file
-    from clef_flash.mlirb import resource_names, stable_resource_names
+    from clef_flash.formats.mlirb import resource_names, stable_resource_names
 
     before = resource_names(b / "main.mlirb")
     count, digest = stable_resource_names(b / "main.mlirb")
@@ -262,7 +262,7 @@ def test_verify_passes_and_reports_red_arms(built, releases, tmp_path):
 
 def test_gate_fails_when_the_bar_cannot_see_a_red_arm(built, releases, monkeypatch):
     """A gate too loose to see a state reset must itself fail (exit 4), not pass."""
-    from clef_flash.backbone import gate
+    from clef_flash.gate import backbone as gate
 
     monkeypatch.setitem(gate.TOLERANCES, "fp32", {"rel_max_abs_d": (10.0, "too loose"), "min_row_cosine": (-1.0, "too loose")})
     res = runner.invoke(app, ["verify", str(built["tiny32"]), "--source", str(releases["tiny"])])
@@ -320,7 +320,7 @@ def test_tampered_shard_and_unpinned_file_are_named(releases, tmp_path):
 
 def _infos(release: Path):
     from clef_flash.backbone.contract import weight_names
-    from clef_flash.backbone.release import release_config
+    from clef_flash.backbone.files import release_config
     from clef_flash.backbone.weights import locate
 
     return locate(release, weight_names(release_config(release)))
@@ -332,7 +332,7 @@ def test_every_weight_in_the_asset_is_the_releases_and_a_changed_value_is_named(
     import shutil
 
     from clef_flash.backbone.asset_weights import compare
-    from clef_flash.mlirb import blobs
+    from clef_flash.formats.mlirb import blobs
 
     for key, rel, scaled in (("tiny32", "tiny", True), ("other32", "other", True), ("other16", "other", False)):
         mlirb = next(built[key].glob("*.aimodel")) / "main.mlirb"
@@ -369,9 +369,9 @@ def test_every_weight_in_the_asset_is_the_releases_and_a_changed_value_is_named(
 def test_bytecode_descriptor_is_the_runtimes(built, tmp_path):
     """The descriptor read from the bytecode (any size: no compiled copy, a skeleton of main.mlirb
     with every blob's data left out) says what the runtime says."""
-    from clef_flash.backbone.gate import bytecode_descriptor
+    from clef_flash.backbone.bundle import bytecode_descriptor
     from clef_flash.backbone.runtime import describe
-    from clef_flash.mlirb import blobs, skeleton
+    from clef_flash.formats.mlirb import blobs, skeleton
 
     for key in ("tiny32", "other16"):
         asset = next(built[key].glob("*.aimodel"))
@@ -395,8 +395,8 @@ def test_verify_without_the_numeric_check_still_gates_the_weights(built, release
     import hashlib
     import shutil
 
-    from clef_flash.backbone import gate
-    from clef_flash.mlirb import blobs
+    from clef_flash.gate import backbone as gate
+    from clef_flash.formats.mlirb import blobs
 
     monkeypatch.setitem(gate.NUMERIC_MAX_PARAMETERS, "fp32", 0)
     res = runner.invoke(app, ["verify", str(built["tiny32"]), "--source", str(releases["tiny"]),
@@ -435,7 +435,7 @@ def test_scaled_weights_hold_no_subnormal_and_compute_the_same_bits(releases, tm
 
     from clef_flash.backbone.contract import Chunking
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
-    from clef_flash.backbone.release import release_config
+    from clef_flash.backbone.files import release_config
     from clef_flash.backbone.weights import load_weights
 
     rel = releases["tiny"]
@@ -626,9 +626,9 @@ def test_too_little_disk_is_refused_before_any_work(releases, tmp_path, monkeypa
     refused, naming the folder. Without the gate the need is the fp16 bytes and the margin."""
     import shutil
 
-    from clef_flash.backbone.build import MARGIN, disk_need
+    from clef_flash.build.backbone import MARGIN, disk_need
     from clef_flash.backbone.contract import weight_names
-    from clef_flash.backbone.release import release_config
+    from clef_flash.backbone.files import release_config
     from clef_flash.backbone.weights import locate, scratch_bytes
 
     rel = releases["tiny"]
@@ -655,10 +655,10 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
     from coreai.runtime import AIModelAssetMetadata
     from coreai_torch import TorchConverter, get_decomp_table
 
-    from clef_flash.aimodel import deterministic_naming, save, save_streamed
+    from clef_flash.formats.aimodel import deterministic_naming, save, save_streamed
     from clef_flash.backbone.export import constants_from_buffers
     from clef_flash.digest import sha256_file
-    from clef_flash.mlirb import BytecodeError, inflate
+    from clef_flash.formats.mlirb import BytecodeError, inflate
 
     gen = torch.Generator().manual_seed(0)
     big, big2 = ((0.02 * torch.randn(512, 1024, generator=gen)).half() for _ in range(2))
@@ -715,7 +715,7 @@ def test_streamed_weights_are_the_converted_tensors_in_blocks(releases, tmp_path
     tensor's fp16 bytes (scaled by 2**k for fp32 compute), the same as the eager conversion."""
     from clef_flash.backbone import weights as wmod
     from clef_flash.backbone.contract import weight_names
-    from clef_flash.backbone.release import release_config
+    from clef_flash.backbone.files import release_config
 
     rel = releases["other"]
     names = weight_names(release_config(rel))
@@ -791,7 +791,7 @@ def test_the_worker_dies_with_its_parent_even_when_silent(tmp_path):
     pid_file = tmp_path / "child.pid"
     (tmp_path / "child.py").write_text(
         "import os, sys, time\n"
-        "from clef_flash.worker import _die_with_parent\n"
+        "from clef_flash.build.worker import _die_with_parent\n"
         "_die_with_parent()\n"
         f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(120)\n")
@@ -915,7 +915,7 @@ def test_the_direct_writer_writes_the_bytes_it_is_given(tmp_path):
     the bytes written, the padded last block cut back."""
     import os
 
-    from clef_flash.mlirb import _DirectWriter
+    from clef_flash.formats.mlirb import _DirectWriter
 
     rng = np.random.default_rng(0)
     pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 4095, (8 << 20) + 3, 10, 0, 4096)]

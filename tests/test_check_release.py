@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from clef_flash.check_release import (BARS, DISAGREE, EQUAL, NEAR_TIE, ROUNDED, compare_question, default_requests,
-                                      load_requests)
+from clef_flash.release.check import BARS, DISAGREE, EQUAL, NEAR_TIE, ROUNDED, compare_question, default_requests, load_requests
 from clef_flash.cli import app
 from clef_flash.errors import UsageError
 
@@ -29,7 +28,7 @@ def invoke(*args):
 
 def _tiny_release(root: Path, author_code: Path, seed: int, name: str) -> tuple[Path, Path]:
     """A release folder (real tiny backbone), pinned, and the bundle built from its head."""
-    from clef_flash.synth import MAKE_TINY_HEAD, write_release
+    from clef_flash.head.synth import MAKE_TINY_HEAD, write_release
 
     rel = write_release(root / "release", config_name=MAKE_TINY_HEAD, seed=seed, author_code=author_code, backbone="qwen3_5")
     r = invoke("pin", rel, "--name", name)
@@ -189,9 +188,9 @@ def test_the_request_set_covers_what_it_should(author_module):
     to 10 options, scores of 3 to 7 levels, 1 to 16 questions, text and JSON states, and requests
     within a few tokens of each bucket's upper edge and just over the one below, once encoded by the
     author's encode_record with the tiny release's byte-level tokenizer."""
-    from clef_flash.contract import BUCKETS
-    from clef_flash.host import HostInputError, check_fits
-    from clef_flash.synth import byte_tokenizer
+    from clef_flash.head.contract import BUCKETS
+    from clef_flash.head.host import HostInputError, check_fits
+    from clef_flash.head.synth import byte_tokenizer
 
     tok = byte_tokenizer()
     reqs = load_requests(default_requests())

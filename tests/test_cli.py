@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 from typer.testing import CliRunner
 
 from clef_flash.cli import app
@@ -167,10 +168,15 @@ def test_verify_passes_with_red_arms_and_transcript(tmp_path, tiny_bundle, tiny_
     assert {"python", "torch", "coreai-core", "coreai-torch", "clef-export"} <= set(t["versions"])
 
 
-def test_verify_exits_4_on_bundle_of_other_weights(tiny_bundle, tiny_source_other):
+def test_verify_refuses_a_bundle_of_other_weights_at_once(tiny_bundle, tiny_source_other, monkeypatch):
+    """A bundle and a release that can never agree: exit 3 naming both, before anything is loaded
+    or run (was: every record through the runtime, then exit 4)."""
+    from clef_flash.sources import author
+
+    monkeypatch.setattr(author, "load_head", lambda *a, **k: pytest.fail("the head was loaded"))
     r = invoke("verify", tiny_bundle, "--source", tiny_source_other, "--pins", tiny_source_other / "pins.json", "--records", 1)
-    assert r.exit_code == 4, r.output
-    assert "manifest source = files loaded" in r.output and "max |d p|" in r.output and "FAIL" in r.output
+    assert r.exit_code == 3, r.output
+    assert "built from synthetic/clef-flash-head@" in r.output and "pass the release it was built from" in r.output
 
 
 def test_verify_exits_3_on_tampered_bundle(tiny_bundle_copy, tiny_source):
@@ -201,7 +207,7 @@ def test_fp32_recipe_builds_through_the_same_code(tmp_path, tiny_source, tiny_bu
 
 def test_failed_gate_in_build_lands_nothing(tmp_path, tiny_source, monkeypatch):
     """`build --verify` with a bar no asset can meet: exit 4, no bundle, no stray folders."""
-    import clef_flash.gate as gate
+    import clef_flash.gate.head as gate
 
     monkeypatch.setitem(gate.TOLERANCES, "max_abs_dp", (1e-12, "a bar for this test only"))
     r = invoke("build", "--source", tiny_source, "--pins", tiny_source / "pins.json", "--out", tmp_path)

@@ -11,12 +11,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clef_flash.author import HeadConfig, build_head
+from clef_flash.sources.author import HeadConfig, build_head
 from clef_flash.cli import app
-from clef_flash.graph import ClefHeadGraph
-from clef_flash.host import head_inputs
-from clef_flash.records import author_logits, random_records
-from clef_flash.synth import synth_state, write_synth
+from clef_flash.head.graph import ClefHeadGraph
+from clef_flash.head.host import head_inputs
+from clef_flash.head.records import author_logits, random_records
+from clef_flash.head.synth import synth_state, write_synth
 
 BAR = 1e-5
 CONFIGS = {

@@ -8,12 +8,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from clef_flash import contract
+from clef_flash.head import contract
 from clef_flash.errors import UsageError
-from clef_flash.aimodel import Manifest
-from clef_flash.backends import json_schema, load_manifest
+from clef_flash.formats.aimodel import Manifest
+from clef_flash.formats import json_schema, load_manifest
 from clef_flash.manifest import HEAD_DESCRIPTIVE_KEYS, Source, head_section
-from clef_flash.pins import load_pins
+from clef_flash.sources.pins import load_pins
 
 from .conftest import PUBLISHED, ROOT
 

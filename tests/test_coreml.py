@@ -15,12 +15,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clef_flash import mlpackage
+from clef_flash.formats import mlpackage
 from clef_flash.cli import app
 from clef_flash.errors import IntegrityError, NumericError
-from clef_flash.gate import VerifyConfig, verify_bundle
-from clef_flash.backends import load_manifest
-from clef_flash.mlpackage import Manifest as MlpackageManifest
+from clef_flash.gate.head import VerifyConfig, verify_bundle
+from clef_flash.formats import load_manifest
+from clef_flash.formats.mlpackage import Manifest as MlpackageManifest
 
 from .conftest import ROOT, build_bundle
 
@@ -108,8 +108,8 @@ def test_fp16_pass_keeps_inexact_constants_fp32():
 
 
 def test_weight_check_fails_on_a_changed_author_weight(tiny_package, tiny_source):
-    from clef_flash.author import load_head
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.author import load_head
+    from clef_flash.sources.pins import load_pins
 
     _, config, head = load_head(tiny_source, load_pins(tiny_source / "pins.json"), torch.float32)
     params = {k: v.numpy() for k, v in head.state_dict().items()}
@@ -163,10 +163,10 @@ def test_verify_exits_4_when_a_stored_weight_differs_from_the_author(package_cop
 
 def _graph_predictor(source: Path, shift: float = 0.0):
     """Stands in for Core ML on Linux: the same ClefHeadGraph, fp16 weights, fp32 math."""
-    from clef_flash.author import load_head
-    from clef_flash.contract import INPUT_ORDER
-    from clef_flash.graph import ClefHeadGraph, cast_weights
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.author import load_head
+    from clef_flash.head.contract import INPUT_ORDER
+    from clef_flash.head.graph import ClefHeadGraph, cast_weights
+    from clef_flash.sources.pins import load_pins
 
     _, _, head = load_head(source, load_pins(source / "pins.json"), torch.float16)
     graph = ClefHeadGraph(cast_weights(head, "fp16w32")).eval()
@@ -268,9 +268,9 @@ def test_check_release_says_it_cannot_run_a_package_here(tmp_path, tiny_package)
 
 
 def _tiny_graph(tiny_source):
-    from clef_flash.author import load_head
-    from clef_flash.graph import ClefHeadGraph, cast_weights
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.author import load_head
+    from clef_flash.head.graph import ClefHeadGraph, cast_weights
+    from clef_flash.sources.pins import load_pins
     from clef_flash.recipe import load_recipe
 
     recipe = load_recipe(RECIPE)
@@ -335,8 +335,8 @@ def test_fp16_frontend_keeps_every_weight_in_the_parameters_memory(tiny_source):
     """After the frontend (no pass run yet) every weight constant is the parameter's own fp16
     memory seen as fp32, not a 4-byte copy: were the frontend's ``to`` not replaced (an op renamed,
     its arguments spelled differently), the package would stay the same and only memory would grow."""
-    from clef_flash import contract
-    from clef_flash.tracing import export_graph
+    from clef_flash.head import contract
+    from clef_flash.head.tracing import export_graph
 
     recipe, config, graph = _tiny_graph(tiny_source)
     ct = mlpackage.import_toolchain()

@@ -1,31 +1,64 @@
-"""The package's shape: no import cycle among its modules (imports at any depth, as the code is
-written), and each asset format is known by its backend module only."""
+"""The package's shape: stage folders (build/, gate/, release/) over model folders (head/,
+backbone/) over formats/ and sources/, leaves at the top. No import cycle among modules (at any
+depth, as the code is written), no cycle among rooms (a folder counts as one room, so an import
+that runs back up the layers shows as one), each asset format known by its backend module only,
+and each stage picking the model in one place, from registries whose entries expose the same names."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from clef_flash import backends
+import pytest
+
+from clef_flash import build, formats, gate
 
 from .conftest import ROOT
 
 PKG = ROOT / "clef_flash"
 
 
-def imports_of(path: Path) -> set[str]:
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
     """The package modules that ``path`` imports, at module level or inside functions."""
-    names = {p.stem for p in PKG.glob("*.py")}
+    me = module_name(path)
+    pkg = me if path.name == "__init__.py" else me.rpartition(".")[0]
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            targets = [node.module] if node.module else [a.name for a in node.names]
-            out |= {t.split(".")[0] for t in targets if t and t.split(".")[0] in names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("clef_flash."):
-            out.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("clef_flash.")}
-    return out - {"__init__", path.stem}
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".") if pkg else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif (node.module or "").startswith("clef_flash"):
+                target = node.module[len("clef_flash"):].lstrip(".")
+            else:
+                continue
+            for a in node.names:
+                sub = f"{target}.{a.name}" if target else a.name
+                out.add(sub if sub in modules else target)
+    return {m for m in out if m in modules and m != me and m}
+
+
+def graph() -> dict[str, set[str]]:
+    files = [p for p in PKG.rglob("*.py") if "_data" not in p.parts]
+    modules = {module_name(p) for p in files}
+    return {module_name(p): imports_of(p, modules) for p in files}
+
+
+def rooms(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    room = lambda m: m.split(".")[0]  # noqa: E731
+    out: dict[str, set[str]] = {}
+    for a, targets in edges.items():
+        out.setdefault(room(a), set()).update(room(b) for b in targets if room(b) != room(a))
+    return out
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -50,33 +83,70 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle_inside_the_package():
-    edges = {p.stem: imports_of(p) for p in PKG.glob("*.py") if p.stem != "__init__"}
-    assert edges["build"] >= {"worker", "gate", "backends"}  # the walk sees real imports
+def test_no_import_cycle_among_modules():
+    edges = graph()
+    assert edges["build"] >= {"build.config", "build.head", "build.backbone"}  # the walk sees real imports
     assert find_cycle(edges) is None, " -> ".join(find_cycle(edges) or [])
-    # and the check itself sees a cycle when there is one
-    assert find_cycle({**edges, "backends": edges["backends"] | {"build"}}) is not None
+    assert find_cycle({**edges, "formats": edges["formats"] | {"build"}}) is not None  # and sees one when there is
+
+
+def test_no_arrow_back_up_the_rooms():
+    """Stages over models over formats and sources: a folder is one room, and no room imports one
+    that imports it back (the arrows of the old shape, ``worker -> backbone.export``,
+    ``artifact -> backbone.gate``, ``pinning -> backbone.weights``, would each show as a cycle)."""
+    r = rooms(graph())
+    assert find_cycle(r) is None, " -> ".join(find_cycle(r) or [])
+    for low in ("head", "backbone", "formats", "sources"):
+        assert not r.get(low, set()) & {"build", "gate", "release", "cli"}, (low, r[low])
+    assert not r["sources"] & {"head", "backbone", "formats"}
+    broken = {**r, "sources": r["sources"] | {"backbone"}}  # pinning reading headers through backbone.weights
+    assert find_cycle(broken) is not None
 
 
 def test_only_a_backend_knows_its_format():
     """No module but the backend itself names its format or suffix as a string."""
-    known = {b.FORMAT for b in backends.BACKENDS.values()} | {b.SUFFIX for b in backends.BACKENDS.values()}
-    owners = {f"{b.__name__.rsplit('.', 1)[1]}.py" for b in backends.BACKENDS.values()}
+    known = {b.FORMAT for b in formats.BACKENDS.values()} | {b.SUFFIX for b in formats.BACKENDS.values()}
+    owners = {Path(b.__file__).name for b in formats.BACKENDS.values()}
     assert owners == {"aimodel.py", "mlpackage.py"}
     offenders = []
-    for path in sorted(PKG.glob("*.py")):
-        if path.name in owners:
+    for path in sorted(PKG.rglob("*.py")):
+        if path.name in owners and path.parent.name == "formats":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Constant) and node.value in known:
-                offenders.append(f"{path.name}:{node.lineno} {node.value!r}")
+                offenders.append(f"{path.relative_to(PKG)}:{node.lineno} {node.value!r}")
     assert not offenders, offenders
 
 
 def test_every_backend_has_the_same_functions():
-    wanted = [name for name in backends.Backend.__dict__ if not name.startswith("_")]
-    wanted += list(backends.Backend.__annotations__)
-    for fmt, module in backends.BACKENDS.items():
+    wanted = [name for name in formats.Backend.__dict__ if not name.startswith("_")]
+    wanted += list(formats.Backend.__annotations__)
+    for fmt, module in formats.BACKENDS.items():
         missing = [name for name in wanted if not hasattr(module, name)]
         assert not missing, (fmt, missing)
         assert module.FORMAT == fmt
+
+
+@pytest.mark.parametrize("registry, names", [
+    (build.MODELS, ("MODEL", "SHIPS_LM_HEAD_TABLE", "compiles", "refuse", "plan", "export", "export_job", "gate", "summary")),
+    (gate.MODELS, ("KIND", "MODEL", "OPTIONS", "FIXED_RECORDS", "manifest_of", "source_of", "run", "inspect", "asset_facts")),
+])
+def test_every_model_of_a_stage_has_the_same_names(registry, names):
+    assert set(registry) and len(registry) >= 2
+    for key, module in registry.items():
+        missing = [n for n in names if not hasattr(module, n)]
+        assert not missing, (key, missing)
+    assert {m.MODEL for m in build.MODELS.values()} == {m.MODEL for m in gate.MODELS.values()}
+
+
+def test_the_model_is_chosen_in_one_place_per_stage():
+    """Outside the registries, no stage module or the CLI asks which model it holds (no
+    ``is_backbone``, no kind string compared): each stage looks the model up once."""
+    offenders = []
+    for path in sorted([*PKG.glob("cli.py"), *(PKG / "build").glob("*.py"), *(PKG / "gate").glob("*.py"),
+                        *(PKG / "release").glob("*.py")]):
+        text = path.read_text()
+        for needle in ("is_backbone", "_is_backbone_bundle", '== "decision-backbone"', "== KIND"):
+            if needle in text:
+                offenders.append(f"{path.relative_to(PKG)}: {needle}")
+    assert not offenders, offenders

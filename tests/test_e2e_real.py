@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from clef_flash.contract import INPUT_ORDER, INPUT_SPECS, REAL_PARAMETERS
-from clef_flash.aimodel import Manifest
+from clef_flash.head.contract import INPUT_ORDER, INPUT_SPECS, REAL_PARAMETERS
+from clef_flash.formats.aimodel import Manifest
 from clef_flash.manifest import HEAD_DESCRIPTIVE_KEYS
 
 from .conftest import PUBLISHED
@@ -41,8 +41,8 @@ def real_bundle(tmp_path_factory, real_source) -> Path:
 
 
 def test_real_source_has_the_published_parameter_count(real_source, author_module):
-    from clef_flash.author import load_head
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.author import load_head
+    from clef_flash.sources.pins import load_pins
 
     _, config, head = load_head(real_source, load_pins(real_source / "pins.json"), torch.float16)
     assert sum(p.numel() for p in head.parameters()) == REAL_PARAMETERS
@@ -106,11 +106,11 @@ async def _run_each(asset: Path, arrays_by_fn: dict[str, dict[str, np.ndarray]])
 
 def test_real_asset_functions_shapes_and_eager_parity(real_bundle, real_source):
     """Each of the four functions, loaded by the Core AI runtime, against the eager graph."""
-    from clef_flash.author import load_head
-    from clef_flash.records import random_records
-    from clef_flash.graph import ClefHeadGraph
-    from clef_flash.host import head_inputs
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.author import load_head
+    from clef_flash.head.records import random_records
+    from clef_flash.head.graph import ClefHeadGraph
+    from clef_flash.head.host import head_inputs
+    from clef_flash.sources.pins import load_pins
 
     manifest = json.loads((real_bundle / "metadata.json").read_text())
     _, _, head = load_head(real_source, load_pins(real_source / "pins.json"), torch.float16)

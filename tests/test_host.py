@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from clef_flash.host import HostInputError, Question, answers, head_inputs, lexical_rows, pick_bucket, question_probs
+from clef_flash.head.host import HostInputError, Question, answers, head_inputs, lexical_rows, pick_bucket, question_probs
 
 
 def test_pick_bucket_edges():

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clef_flash.author import HeadConfig, build_head
-from clef_flash.contract import INPUT_ORDER, TINY_CONFIG
-from clef_flash.graph import ClefHeadGraph
-from clef_flash.host import answers, head_inputs, question_probs
-from clef_flash.synth import synth_state
+from clef_flash.sources.author import HeadConfig, build_head
+from clef_flash.head.contract import INPUT_ORDER, TINY_CONFIG
+from clef_flash.head.graph import ClefHeadGraph
+from clef_flash.head.host import answers, head_inputs, question_probs
+from clef_flash.head.synth import synth_state
 
 
 class CharTokenizer:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from clef_flash.cli import app
-from clef_flash.lm_head import INDEX_FILE, open_table
+from clef_flash.sources.lm_head import INDEX_FILE, open_table
 from clef_flash.digest import sha256_file
 
 runner = CliRunner()
@@ -83,10 +83,10 @@ def test_table_lexical_asset_closes_the_loop(tmp_path, tiny_source, tiny_bundle,
     from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
-    from clef_flash.author import load_head
-    from clef_flash.records import author_logits, random_records
-    from clef_flash.host import head_inputs, question_probs
-    from clef_flash.pins import load_pins
+    from clef_flash.sources.author import load_head
+    from clef_flash.head.records import author_logits, random_records
+    from clef_flash.head.host import head_inputs, question_probs
+    from clef_flash.sources.pins import load_pins
 
     assert table_cmd(tiny_source, tmp_path / "host").exit_code == 0
     table = open_table(tmp_path / "host" / "lm_head_fp16.bin")

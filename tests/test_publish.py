@@ -136,8 +136,8 @@ def check_card_against_records(card: str, dist: Path, transcript: dict) -> int:
 
 
 def test_card_figures_are_the_records_and_a_changed_digit_is_caught(whole_dist):
-    from clef_flash.card import model_card, read_dist
-    from clef_flash.publish import check_dist, load_check
+    from clef_flash.release.card import model_card, read_dist
+    from clef_flash.release.publish import check_dist, load_check
 
     d = check_dist(whole_dist["dist"])
     transcript = load_check(whole_dist["check"], d)
@@ -198,7 +198,7 @@ def test_publish_one_commit_beside_other_files_then_download_by_commit(dist, who
         got = Path(snapshot_download(REPO, revision=out["commit"], local_dir=tmp_path / "down", endpoint=hub.endpoint,
                                      token="hf_fake_token"))
         assert subprocess.run(["sha256sum", "--quiet", "-c", "SHA256SUMS"], cwd=got).returncode == 0
-        from clef_flash.artifact import check_artifact
+        from clef_flash.gate import check_artifact
 
         kinds = {json.loads((m).read_text())["kind"] for m in got.glob("*/metadata.json")}
         assert kinds == {"decision-head", "decision-backbone"}

@@ -49,6 +49,6 @@ def test_verify_shows_no_runtime_lines_unless_verbose(tiny_bundle, tiny_source):
     args = [str(EXE), "verify", str(tiny_bundle), "--source", str(tiny_source), "--records", "1"]
     quiet = subprocess.run(args, capture_output=True, text=True, timeout=600)
     assert quiet.returncode == 0, quiet.stderr[-2000:]
-    assert "ODIE" not in quiet.stderr + quiet.stdout and "verified" in quiet.stderr
+    assert "ODIE" not in quiet.stderr + quiet.stdout and "verified" in quiet.stdout
     loud = subprocess.run([str(EXE), "--verbose", *args[1:]], capture_output=True, text=True, timeout=600)
     assert loud.returncode == 0 and "ODIE [default]: Loading function" in loud.stderr

@@ -102,7 +102,7 @@ def test_aimodel_bytes_do_not_depend_on_the_machine(tmp_path, tiny_source):
     against unlimited (the address layout moves with it), and the second also from another
     working directory, temp folder, hash seed, time zone and interpreter path. The bytes agree,
     and the blobs carry the names of their own bytes."""
-    from clef_flash.mlirb import resource_names
+    from clef_flash.formats.mlirb import resource_names
 
     assert Path("/proc/sys/kernel/randomize_va_space").read_text().strip() != "0"
     a = cli_build(Path(sys.executable), tiny_source, tmp_path / "a", tmp_path, {}, 8 << 20)

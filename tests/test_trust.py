@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from clef_flash.author import AUTHOR_SHA256, build_head, load_author_module, load_config, load_head, load_state
+from clef_flash.sources.author import AUTHOR_SHA256, build_head, load_author_module, load_config, load_head, load_state
 from clef_flash.bundle import output_lock, staged_dir, sweep_stale
 from clef_flash.digest import sha256_file, tree_hash
 from clef_flash.errors import IntegrityError, UsageError
-from clef_flash.pins import load_pins
-from clef_flash.source import check_source, require_verified
+from clef_flash.sources.pins import load_pins
+from clef_flash.sources.fetch import check_source, require_verified
 
 
 def test_tampered_author_code_never_runs(tmp_path, author_code):

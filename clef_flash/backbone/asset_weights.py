@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IntegrityError
-from ..mlirb import Blob, BytecodeError, blob_sha256, blobs
+from ..formats.mlirb import Blob, BytecodeError, blob_sha256, blobs
 from .weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side

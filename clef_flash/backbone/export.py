@@ -47,8 +47,8 @@ def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str
     import torch
     from torch.export import Dim
 
-    from ..aimodel import import_toolchain
-    from ..tracing import no_stack_traces
+    from ..formats.aimodel import import_toolchain
+    from ..head.tracing import no_stack_traces
 
     seq = Dim("seq", min=ch.chunk, max=ch.context)
     dynamic = {"input_ids": None, "position_ids": {1: seq}, **{n: None for n in STATE_ORDER}}
@@ -131,7 +131,7 @@ def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = Tru
     from coreai_torch import TorchConverter
     from coreai_torch.debugging.debug_info import strip_debug_info
 
-    from ..aimodel import deterministic_naming
+    from ..formats.aimodel import deterministic_naming
 
     converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
     converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
@@ -155,7 +155,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     sizes. Runs in the export worker (its memory goes back to the OS when it ends)."""
     import torch
 
-    from ..aimodel import import_toolchain, save
+    from ..formats.aimodel import import_toolchain, save
     from ..errors import ToolchainError
     from .contract import check_contract, weight_names
     from .graph import DecoderChunk

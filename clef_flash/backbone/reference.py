@@ -39,7 +39,7 @@ class StreamedTextModel:
         """``dtype``: torch.float32 (the gate's) or torch.float64 (how far fp32 itself is from exact)."""
         import torch
 
-        from ..reference import import_reference
+        from ..sources.reference import import_reference
 
         import_reference()
         from transformers import Qwen3_5Config

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..errors import IntegrityError
 from .contract import FUNCTION, OUTPUT_NAMES, STATE_ORDER
+from ..interrupts import run_async
 
 _NP = {"fp16": np.float16, "fp32": np.float32}
 
@@ -70,11 +71,10 @@ def _descriptor(model) -> dict[str, Any]:
 
 def describe(asset: Path) -> dict[str, Any]:
     """Functions, inputs, states and outputs as the runtime reports them."""
-    import asyncio
     import warnings
 
     from ..quiet import native_stderr
 
     with warnings.catch_warnings(), native_stderr():
         warnings.simplefilter("ignore")
-        return asyncio.run(_describe(Path(asset)))
+        return run_async(lambda: _describe(Path(asset)))

@@ -12,7 +12,6 @@ release, then every request's token ids through its asset by the host loop.
 
 from __future__ import annotations
 
-import asyncio
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 
 from ..digest import sha256_file
 from ..errors import IntegrityError
+from ..interrupts import run_async
 
 # check-release's red arm name -> the host loop's
 RED = {"state": "state_reset"}
@@ -55,7 +55,7 @@ class ShippedBackbone:
 def open_backbone(bundle: Path, release: Path, hidden_size: int) -> ShippedBackbone:
     """The bundle checked, and checked to be this release's backbone; ``IntegrityError`` naming the
     first file that is not."""
-    from .gate import check_files, descriptor_checks
+    from .bundle import check_files, descriptor_checks
 
     bundle, release = Path(bundle), Path(release)
     m, asset, checks = check_files(bundle)
@@ -109,4 +109,4 @@ def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | N
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return asyncio.run(run_all())
+        return run_async(run_all)

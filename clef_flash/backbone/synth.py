@@ -108,13 +108,13 @@ def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, a
     from safetensors.torch import save_file
     from transformers import Qwen3_5Config
 
-    from ..author import AUTHOR_SHA256, load_author_module, read_verified
+    from ..sources.author import AUTHOR_SHA256, load_author_module, read_verified
     from ..digest import sha256_bytes
-    from ..pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE
-    from ..synth import RELEASE_PROVENANCE, RELEASE_TINY_MARKER, _config, byte_tokenizer, synth_state
+    from ..sources.pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE
+    from ..head.synth import RELEASE_PROVENANCE, RELEASE_TINY_MARKER, _config, byte_tokenizer, synth_state
     from .contract import text_config as parse_text
     from .contract import weight_names
-    from .weights import INDEX_FILE
+    from ..sources.safetensors import INDEX_FILE
 
     text = text_config(size, layers)
     out = Path(out)

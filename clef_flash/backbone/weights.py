@@ -21,21 +21,17 @@ SIGKILL included, can leave it behind.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
-import struct
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import IntegrityError
+from ..sources.safetensors import read_header, shard_files
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 _BLOCK_BYTES = 32 << 20  # rows converted at a time: the anonymous memory this stage needs
 # Tensors of at most this many values may be folded by the Core AI compiler (the cast of an fp16
@@ -72,39 +68,6 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * _ITEMSIZE[self.dtype]
-
-
-def read_header(path: Path) -> dict:
-    try:
-        with open(path, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            if n > 100 << 20:
-                raise ValueError(f"header of {n} bytes")
-            header = json.loads(fh.read(n))
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: missing") from None
-    except (OSError, ValueError, struct.error) as exc:
-        raise IntegrityError(f"{path}: not a readable safetensors file ({exc})") from None
-    header.pop("__metadata__", None)
-    return {"header": header, "base": 8 + n}
-
-
-def shard_files(folder: Path) -> list[str]:
-    """The checkpoint's shards: those ``model.safetensors.index.json`` names, else ``model.safetensors``."""
-    folder = Path(folder)
-    if (folder / INDEX_FILE).is_file():
-        try:
-            index = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))
-            shards = sorted(set(index["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise IntegrityError(f"{folder / INDEX_FILE}: no readable weight_map ({exc})") from None
-        for s in shards:
-            if not isinstance(s, str) or "/" in s or s.startswith("."):
-                raise IntegrityError(f"{folder / INDEX_FILE}: names {s!r} as a shard")
-        return shards
-    if (folder / SINGLE_FILE).is_file():
-        return [SINGLE_FILE]
-    raise IntegrityError(f"{folder}: no {SINGLE_FILE} nor {INDEX_FILE}; the release has no backbone checkpoint")
 
 
 def locate(folder: Path, wanted: dict[str, tuple[int, ...]]) -> dict[str, TensorInfo]:

@@ -23,13 +23,12 @@ from typing import Any
 import numpy as np
 
 from .author import read_verified
-from .bundle import atomic_write_json, check_output_path, output_lock, staged_files
-from .errors import IntegrityError, NumericError, OutputError, UsageError
-from .digest import sha256_file
+from ..bundle import atomic_write_json, check_output_path, output_lock, staged_files
+from ..errors import IntegrityError, NumericError, OutputError, UsageError
+from ..digest import sha256_file
 from .pins import Pins
+from .safetensors import INDEX_FILE, SINGLE_FILE
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 TENSOR = "lm_head.weight"
 NO_LM_HEAD = "the release ties its embeddings to lm_head or has none; there is no table to write"
 TABLE_FILE = "lm_head_fp16.bin"
@@ -184,7 +183,7 @@ def _write_table(shard_path: Path, dest: Path, rows: int, hidden: int, dtype: st
     second path (a memmap of ``dest`` against the shard's rows); returns the rows checked."""
     row_bytes = hidden * _ITEMSIZE[dtype]
     # plain reads of one block at a time: an mmap of the shard would count all 2 GB as resident
-    from .progress import progress
+    from ..progress import progress
 
     with open(shard_path, "rb", buffering=0) as src, open(dest, "wb") as fh, \
             progress(f"{TENSOR} -> fp16", rows, "rows") as tick:

@@ -1,6 +1,7 @@
-"""A finished bundle, read back: its asset against its manifest (``check_bundle``), every file
-against its build record (``check_artifact``, ``verify-artifact``), and what it holds
-(``inspect_bundle``: functions, inputs, outputs, from the asset itself)."""
+"""A finished head bundle, read back: its asset against its manifest (``check_bundle``), every
+file of any bundle against its build record (``check_record``; ``gate.check_artifact`` adds the
+model's own file checks), and what a head bundle holds (``inspect_bundle``: functions, inputs,
+outputs, from the asset itself)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .backends import Backend, load_manifest, of_manifest
-from .digest import tree_files
-from .errors import IntegrityError
-from .layout import MANIFEST_FILE, RECORD_FILE
+from ..formats import Backend, load_manifest, of_manifest
+from ..digest import tree_files
+from ..errors import IntegrityError
+from ..layout import MANIFEST_FILE, RECORD_FILE
 
 
 def check_bundle(bundle: Path) -> tuple[BaseModel, Backend, Path, list[tuple[str, bool, str]]]:
@@ -32,19 +33,9 @@ def check_bundle(bundle: Path) -> tuple[BaseModel, Backend, Path, list[tuple[str
     return manifest, fmt, asset, fmt.check_files(manifest, asset)
 
 
-def check_artifact(bundle: Path) -> dict[str, Any]:
-    """Every file of the bundle against the build record's digests, plus the manifest's checks."""
+def check_record(bundle: Path) -> int:
+    """Every file of the bundle against the build record's digests (any model); the file count."""
     bundle = Path(bundle)
-    if not bundle.is_dir():
-        raise IntegrityError(f"{bundle}: bundle folder not found")
-    if _kind(bundle) == "decision-backbone":  # the second model: its own manifest and file checks
-        from .backbone.gate import check_files
-
-        manifest, _asset, _checks = check_files(bundle)
-        name, fmt_name, asset_sha = manifest.name, Path(manifest.assets["main"]).suffix[1:], manifest.export.main_mlirb.sha256
-    else:
-        manifest, fmt, _asset, _checks = check_bundle(bundle)
-        name, fmt_name, asset_sha = manifest.name, fmt.FORMAT, fmt.asset_digest(manifest)
     record_path = bundle / RECORD_FILE
     try:
         record = json.loads(record_path.read_text())
@@ -62,15 +53,7 @@ def check_artifact(bundle: Path) -> dict[str, Any]:
             raise IntegrityError(f"{bundle / name}: not part of the build (absent from {RECORD_FILE})")
         if actual[name] != expected[name]:
             raise IntegrityError(f"{bundle / name}: sha256 differs from {RECORD_FILE}")
-    return {"bundle": str(bundle), "files": len(actual), "name": name, "format": fmt_name, "asset_sha256": asset_sha}
-
-
-def _kind(bundle: Path) -> str | None:
-    try:
-        kind = json.loads((Path(bundle) / MANIFEST_FILE).read_text(encoding="utf-8")).get("kind")
-    except (OSError, ValueError, AttributeError):
-        return None  # check_bundle names what is wrong with it
-    return kind if isinstance(kind, str) else None
+    return len(actual)
 
 
 def inspect_bundle(bundle: Path) -> dict[str, Any]:

@@ -17,13 +17,14 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from .artifact import check_artifact, check_bundle
-from .bundle import atomic_write_json, output_lock, staged_dir
-from .digest import tree_files, tree_hash
-from .errors import ToolchainError, UsageError
-from .layout import MANIFEST_FILE, RECORD_FILE
-from .manifest import Aot, Compilation
-from .provenance import build_date
+from ..gate import check_artifact
+from ..gate.artifact import check_bundle
+from ..bundle import atomic_write_json, output_lock, staged_dir
+from ..digest import tree_files, tree_hash
+from ..errors import ToolchainError, UsageError
+from ..layout import MANIFEST_FILE, RECORD_FILE
+from ..manifest import Aot, Compilation
+from ..provenance import build_date
 
 NOTE = ("compiled for the gates with: xcrun coreai-build compile <this .aimodel> --output <dir> {flags} "
         "(not shipped; the Swift host specializes the .aimodel)")

@@ -15,19 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .backends import backend
-from .bundle import atomic_write_bytes, check_output_path, output_lock, staged_dir
-from .digest import tree_files
-from .errors import IntegrityError, ToolchainError, UsageError
-from .layout import LICENSE_FILES, SUMS_FILE
-from .recipe import Recipe, is_backbone
+from ..bundle import atomic_write_bytes, check_output_path, output_lock, staged_dir
+from ..digest import tree_files
+from ..errors import IntegrityError, ToolchainError, UsageError
+from ..layout import LICENSE_FILES, SUMS_FILE
+from ..recipe import AnyRecipe
 
 HOST_DIR = "host"  # the lm_head table and its sidecar, in a release with a backbone
 
 
 @dataclass(frozen=True)
 class ReleaseConfig:
-    recipes: tuple[tuple[Recipe, Path], ...]  # (recipe, its file), one bundle each
+    recipes: tuple[tuple[AnyRecipe, Path], ...]  # (recipe, its file), one bundle each
     source: Path | None
     pins_path: Path
     dist: Path
@@ -39,9 +38,9 @@ class ReleaseConfig:
 
 def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
     """Every recipe built and verified into one staged ``dist/``; AOT for the ``.aimodel`` ones."""
-    from .aot import AotConfig, aot_compile, find_coreai_build
-    from .build import BuildConfig, build, bundle_name
-    from .pins import load_pins
+    from ..build.aot import AotConfig, aot_compile, find_coreai_build
+    from ..build import BuildConfig, build, bundle_name, steps
+    from ..sources.pins import load_pins
 
     dist = Path(cfg.dist)
     check_output_path(dist, cfg.overwrite)
@@ -49,8 +48,8 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
     names = [bundle_name(r, pins, cfg.name) for r, _ in cfg.recipes]
     if not names or len(set(names)) != len(names):
         raise UsageError(f"release needs one or more recipes with distinct names, got {names}")
-    compilable = any(not is_backbone(r) and backend(r.format).AOT for r, _ in cfg.recipes)
-    whole = any(is_backbone(r) for r, _ in cfg.recipes)
+    compilable = any(steps(r).compiles(r) for r, _ in cfg.recipes)
+    whole = any(steps(r).SHIPS_LM_HEAD_TABLE for r, _ in cfg.recipes)
     do_aot = cfg.aot == "on"
     if do_aot and not compilable:
         raise UsageError("--aot on: coreai-build compiles .aimodel assets, and no recipe builds one")
@@ -67,20 +66,15 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
         for recipe, recipe_path in cfg.recipes:
             bcfg = BuildConfig(recipe=recipe, recipe_path=recipe_path, source=cfg.source, pins_path=cfg.pins_path,
                                out=tmp, verify=True, verify_records=cfg.verify_records, name=cfg.name)
-            if is_backbone(recipe):
-                from .backbone.build import build_backbone
-
-                result = build_backbone(bcfg, log=log)
-            else:
-                result = build(bcfg, log=log)
+            result = build(bcfg, log=log)
             if not result.record.get("verify", {}).get("ok"):
                 raise ToolchainError(f"{result.bundle}: the gate did not run; a release needs it")
-            if do_aot and not is_backbone(recipe) and backend(recipe.format).AOT:
+            if do_aot and steps(recipe).compiles(recipe):
                 aot_compile(AotConfig(bundle=result.bundle), log=log)
             bundles.append(result.bundle.name)
         table = None
         if whole:
-            from .lm_head import lm_head_table
+            from ..sources.lm_head import lm_head_table
 
             log("writing the lm_head table the host reads")
             table = lm_head_table(cfg.source, pins, cfg.pins_path, tmp / HOST_DIR, log=log)
@@ -102,7 +96,7 @@ def _copy_licence(cfg: ReleaseConfig, pins, tmp: Path) -> list[str]:
     """The release's pinned LICENSE / NOTICE files, verified, copied to the top of ``dist/``."""
     import shutil
 
-    from .source import require_verified, resolve_source
+    from ..sources.fetch import require_verified, resolve_source
 
     names = tuple(f for f in LICENSE_FILES if f in pins.files)
     if not names:

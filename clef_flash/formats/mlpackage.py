@@ -37,10 +37,10 @@ import numpy as np
 
 from pydantic import Field
 
-from . import contract
-from .digest import tree_bytes
-from .errors import IntegrityError, ToolchainError
-from .manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file, pads
+from ..head import contract
+from ..digest import tree_bytes
+from ..errors import IntegrityError, ToolchainError
+from ..manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file, pads
 
 FORMAT = "mlpackage"
 SUFFIX = ".mlpackage"
@@ -92,7 +92,7 @@ class Manifest(Strict):
 
 
 def manifest(common: dict[str, Any], recipe, asset_dir: Path, outputs: dict[str, str], seconds: Seconds) -> Manifest:
-    from .provenance import tool_versions
+    from ..provenance import tool_versions
 
     def part(rel: str) -> FileDigest:
         return FileDigest(bytes=(asset_dir / rel).stat().st_size, sha256=outputs[f"{asset_dir.name}/{rel}"])
@@ -413,7 +413,7 @@ def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int,
     from coremltools.converters.mil.converter import _construct_other_pipelines, _reset_conversion_state
     from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
 
-    from .tracing import export_graph
+    from ..head.tracing import export_graph
 
     ct = import_toolchain()
     # op names come from counters that only a finished conversion clears; a program built before
@@ -529,7 +529,7 @@ def save(joined: Joined, asset_dir: Path, description: dict[str, str], log: Call
 def finalize_package(package: Path, description: dict[str, str]) -> None:
     """Our metadata in the spec, and the same bytes from the same content: the spec serialised
     with sorted maps, the package manifest's random item identifiers replaced by name-based ones."""
-    from .bundle import atomic_write_bytes
+    from ..bundle import atomic_write_bytes
 
     spec = load_spec(package)
     meta = spec.description.metadata

@@ -13,11 +13,11 @@ import json
 import math
 from pathlib import Path
 
-from .author import AUTHOR_SHA256, build_head, read_verified
-from .bundle import atomic_write_json, check_output_path, output_lock, staged_dir
+from ..sources.author import AUTHOR_SHA256, build_head, read_verified
+from ..bundle import atomic_write_json, check_output_path, output_lock, staged_dir
 from .contract import CONFIGS
-from .digest import sha256_bytes, sha256_file
-from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
+from ..digest import sha256_bytes, sha256_file
+from ..sources.pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
 
 SYNTH_HF_ID = "synthetic/clef-flash-head"
 
@@ -86,7 +86,7 @@ def write_synth(out: Path, *, config_name: str | dict, seed: int, author_code: P
     import torch
     from safetensors.torch import save
 
-    from .author import load_author_module
+    from ..sources.author import load_author_module
 
     config_name, config = _config(config_name)
     out = Path(out)
@@ -129,7 +129,7 @@ def _write_lm_head(folder: Path, vocab: int, hidden: int, seed: int) -> dict[str
     import torch
     from safetensors.torch import save_file
 
-    from .lm_head import INDEX_FILE, TENSOR
+    from ..sources.lm_head import INDEX_FILE, TENSOR
 
     first, second = LM_HEAD_SHARDS
     save_file({"model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}, str(folder / first),
@@ -142,7 +142,7 @@ def _write_lm_head(folder: Path, vocab: int, hidden: int, seed: int) -> dict[str
 
 
 def _config_model(config: dict):
-    from .author import HeadConfig
+    from ..sources.author import HeadConfig
 
     return HeadConfig.model_validate(config)
 
@@ -170,7 +170,7 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
     import torch
     from safetensors.torch import save_file
 
-    from .author import load_author_module
+    from ..sources.author import load_author_module
 
     if layout not in ("single", "sharded", "tied"):
         raise ValueError(f"layout must be single, sharded or tied, got {layout!r}")
@@ -201,7 +201,7 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
             text, shard = VARIANTS[variant]
             write_qwen3_5_backbone(tmp, hidden=hidden, vocab=vocab, seed=seed, text=text, max_shard_size=shard)
         elif layout == "sharded":
-            from .lm_head import INDEX_FILE
+            from ..sources.lm_head import INDEX_FILE
 
             shards = {"model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if k != "lm_head.weight"},
                       "model-00002-of-00002.safetensors": {"lm_head.weight": tensors["lm_head.weight"]}}

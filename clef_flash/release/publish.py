@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from .card import BACKBONE_KIND, HEAD_KIND, Dist, model_card, read_dist
-from .digest import sha256_bytes, sha256_file
-from .errors import IntegrityError, NumericError, RemoteError, UsageError
-from .layout import SUMS_FILE
+from ..digest import sha256_bytes, sha256_file
+from ..errors import IntegrityError, NumericError, RemoteError, UsageError
+from ..layout import SUMS_FILE
 
 CARD = "README.md"
 PUBLISH_RECORD = "publish-record.json"  # written into dist/ after the upload; never uploaded
@@ -111,7 +111,7 @@ def remote_errors(repo: str, what: str):
     """huggingface_hub's failures as one line naming the repo; the Hub commits all or nothing."""
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-    from .source import _cause
+    from ..sources.fetch import _cause
 
     try:
         yield
@@ -129,7 +129,7 @@ def remote_errors(repo: str, what: str):
 
 def publish(cfg: PublishConfig, log=lambda msg: None) -> dict[str, Any]:
     """The plan, or (not ``dry_run``) the upload in one commit, proven, with its record."""
-    from .bundle import atomic_write_bytes
+    from ..bundle import atomic_write_bytes
 
     d, card, out = plan(cfg)
     if cfg.dry_run:
@@ -164,7 +164,7 @@ def publish(cfg: PublishConfig, log=lambda msg: None) -> dict[str, Any]:
             if got != want[name]:
                 raise IntegrityError(f"{cfg.repo}@{commit[:12]}/{name}: sha256 {got[:12]}… is not what was sent ({want[name][:12]}…)")
         remote = {f.path: f for f in api.get_paths_info(cfg.repo, sorted(want), revision=commit)}
-    from .pinning import git_blob_sha1
+    from ..sources.pinning import git_blob_sha1
 
     for name, digest in sorted(want.items()):
         f = remote.get(name)

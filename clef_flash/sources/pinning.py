@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from .author import check_author_trusted
-from .bundle import atomic_write_json, check_output_path
-from .digest import sha256_bytes, sha256_file
-from .errors import IntegrityError, UsageError
+from ..bundle import atomic_write_json, check_output_path
+from ..digest import sha256_bytes, sha256_file
+from ..errors import IntegrityError, UsageError
 from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR as LM_HEAD
-from .layout import LICENSE_FILES
+from ..layout import LICENSE_FILES
 from .pins import CODE_FILE, HEAD_FILES, HEX40, Pins
 
 PROVENANCE_FILE = "CLEF_FINETUNE.json"
@@ -48,7 +48,7 @@ def git_blob_sha1(data: bytes) -> str:
 
 def _safetensors_keys(path: Path) -> set[str]:
     """The tensor names in a safetensors file's header (no tensor data read)."""
-    from .backbone.weights import read_header
+    from .safetensors import read_header
 
     return set(read_header(path)["header"])
 
@@ -216,7 +216,7 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
 def _paths_info(hf_id: str, revision: str, paths: list[str], where: str) -> dict[str, Any]:
     from huggingface_hub import HfApi
 
-    from .source import hub_errors
+    from .fetch import hub_errors
 
     with hub_errors(hf_id, revision, where, "the Hub's file metadata"):
         found = HfApi().get_paths_info(hf_id, paths, revision=revision)
@@ -233,7 +233,7 @@ def _lfs_sha256(info: Any) -> str | None:
 
 def _small_file(hf_id: str, revision: str, path: str, info: Any, cache: Path, where: str) -> bytes:
     """A small (git) file downloaded by commit, returned only when its git blob sha1 is the Hub's."""
-    from .source import download_file
+    from .fetch import download_file
 
     data = download_file(hf_id, path, revision, f"{where}/{path}", cache, None).read_bytes()
     actual = git_blob_sha1(data)

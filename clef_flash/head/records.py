@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from . import contract
-from .errors import IntegrityError
+from ..errors import IntegrityError
 from .host import Question
 
 # rows of the random lexical table the gate gives both sides (ids are drawn below this)

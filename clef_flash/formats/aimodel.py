@@ -24,10 +24,11 @@ from typing import Any, Callable
 
 from pydantic import Field
 
-from . import contract
-from .digest import sha256_file, tree_bytes
-from .errors import IntegrityError, ToolchainError
-from .manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file
+from ..head import contract
+from ..digest import sha256_file, tree_bytes
+from ..errors import IntegrityError, ToolchainError
+from ..manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file
+from ..interrupts import run_async
 
 FORMAT = "aimodel"
 SUFFIX = ".aimodel"
@@ -159,7 +160,7 @@ def needs_decomposition(ep) -> bool:
 
 def trace_program(graph, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int):
     """``torch.export`` (static T, or dynamic T over ``buckets``), decomposed only if coreai needs it."""
-    from .tracing import export_graph
+    from ..head.tracing import export_graph
 
     ep = export_graph(graph, buckets, hidden_size, q_pad, o_pad)
     if needs_decomposition(ep):  # ClefHeadGraph is written in ops coreai lowers directly: never, so far
@@ -174,7 +175,7 @@ def _specialise(program, buckets: tuple[int, ...], hidden_size: int, q_pad: int,
     from coreai._compiler.ir import StringAttr
     from coreai.authoring.graph_builder import GraphOp
 
-    from .tracing import T_AXES
+    from ..head.tracing import T_AXES
 
     config = {}
     for b in buckets:
@@ -196,7 +197,7 @@ def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str
     from coreai_torch import TorchConverter
     from coreai_torch.debugging.debug_info import strip_debug_info
 
-    from .tracing import trace_groups
+    from ..head.tracing import trace_groups
 
     import_toolchain()
     converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
@@ -252,9 +253,9 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
     bytecode is written small and ``main.mlirb`` rewritten once with their data, named as above."""
     from coreai.runtime import AIModelAssetMetadata
 
-    from .bundle import atomic_write_bytes, dumps_json
+    from ..bundle import atomic_write_bytes, dumps_json
     from .mlirb import inflate, stable_resource_names
-    from .provenance import source_date_epoch
+    from ..provenance import source_date_epoch
 
     meta = AIModelAssetMetadata()
     meta.author = description["author"]
@@ -303,8 +304,8 @@ async def runner(asset: Path, names: list[str]):
     from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
-    from .quiet import native_stderr
-    from .tmpdirs import owned_tempdir
+    from ..quiet import native_stderr
+    from ..tmpdirs import owned_tempdir
 
     slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
     # the runtime's own lines off the terminal unless --verbose; its compiled copy in a folder no kill strands
@@ -328,7 +329,7 @@ async def runner(asset: Path, names: list[str]):
 async def _describe(asset: Path) -> list[dict[str, Any]]:
     from coreai.authoring.asset import AIModelAsset
 
-    from .tmpdirs import owned_tempdir
+    from ..tmpdirs import owned_tempdir
 
     out = []
     with owned_tempdir():
@@ -347,10 +348,9 @@ async def _describe(asset: Path) -> list[dict[str, Any]]:
 
 def describe(asset: Path) -> list[dict[str, Any]]:
     """Functions, inputs and outputs as the Core AI runtime reports them."""
-    import asyncio
 
-    from .quiet import native_stderr
+    from ..quiet import native_stderr
 
     with warnings.catch_warnings(), native_stderr():
         warnings.simplefilter("ignore")
-        return asyncio.run(_describe(Path(asset)))
+        return run_async(lambda: _describe(Path(asset)))

@@ -19,9 +19,7 @@ Every failure is collected; then the gate fails (exit 4). Bars are data with the
 
 from __future__ import annotations
 
-import asyncio
 import gc
-import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import IntegrityError, NumericError
-from .contract import FUNCTION
+from ..errors import IntegrityError, UsageError
+from ..report import Report
+from ..backbone.bundle import check_files, descriptor_checks
+from ..interrupts import run_async
 
 # Bars on the hidden rows, relative to the record's largest |value| (Qwen3.5's final-norm rows carry
 # a few outlier dimensions, so a bar relative to each element would be meaningless near zero).
@@ -73,6 +73,8 @@ class BackboneVerifyConfig:
     red: bool = True
     weights: bool = True  # every 2-D+ weight in main.mlirb against the release, streamed (asset_weights)
     scratch: Path | None = None  # where the runtime's compiled copy goes (build: the staged bundle, on the output's disk)
+    pins: Any = None  # the build's plan: pins already loaded
+    checked: dict[str, str] | None = None  # the build's plan: file -> sha256 already checked in this process
 
 
 @dataclass
@@ -86,31 +88,61 @@ class RecordResult:
 
 
 @dataclass
-class BackboneReport:
-    bundle: Path
-    compute: str
-    results: list[RecordResult]
-    checks: list[tuple[str, bool, str]]
-    transcript: dict[str, Any]
-    notes: list[str] = field(default_factory=list)
+class BackboneReport(Report):
+    compute: str = "fp32"
+    results: list[RecordResult] = field(default_factory=list)
+    red_arms: tuple[str, ...] = ()  # the arms this run had to run (all of RED_ARMS when red)
 
-    @property
-    def failures(self) -> list[str]:
-        out = [f"{n}: {d}" for n, ok, d in self.checks if not ok]
+    def _inside(self, r: RecordResult) -> bool:
+        bars = TOLERANCES[self.compute]
+        return r.rel_max_abs_d <= bars["rel_max_abs_d"][0] and r.min_row_cosine >= bars["min_row_cosine"][0]
+
+    def result_failures(self) -> list[str]:
+        out = []
         bars = TOLERANCES[self.compute]
         for r in self.results:
-            inside = r.rel_max_abs_d <= bars["rel_max_abs_d"][0] and r.min_row_cosine >= bars["min_row_cosine"][0]
+            inside = self._inside(r)
             if r.arm == "main" and not inside:
                 out.append(f"record {r.name} ({r.tokens} tokens): rel max |d| {r.rel_max_abs_d:.3g} (bar "
                            f"{bars['rel_max_abs_d'][0]:g}), min row cosine {r.min_row_cosine:.6f} (bar {bars['min_row_cosine'][0]:g})")
             if r.arm != "main" and inside:
                 out.append(f"red arm {r.arm} on record {r.name}: rel max |d| {r.rel_max_abs_d:.3g} passes the bar "
                            f"(the gate cannot see it)")
+        if self.results:  # a numeric run: every arm it owed is there
+            ran = {r.arm for r in self.results if r.arm != "main"}
+            out.extend(f"red arm {arm} did not run (no gate passes without its red arms)"
+                       for arm in self.red_arms if arm not in ran)
         return out
 
-    @property
-    def ok(self) -> bool:
-        return not self.failures
+    def title(self) -> str:
+        return f"verify {self.bundle} (backbone, compute {self.compute})"
+
+    def columns(self) -> list[str]:
+        return ["record", "tokens", "calls", "rel max |d|", "min row cosine"]
+
+    def rows(self):
+        out = []
+        for r in self.results:
+            ok = self._inside(r) if r.arm == "main" else not self._inside(r)
+            out.append(([r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", str(r.tokens), str(r.calls),
+                         f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], "pass" if ok else "FAIL"))
+        return out
+
+    def bars(self) -> dict[str, float]:
+        return {k: v[0] for k, v in TOLERANCES[self.compute].items()}
+
+    def lines(self) -> list[str]:
+        red = [r for r in self.results if r.arm != "main"]
+        return ["red arms run: " + ", ".join(f"{r.arm} on {r.name} ({r.rel_max_abs_d:.2g})" for r in red)] if red else []
+
+    def headline(self) -> str:
+        main = [r for r in self.results if r.arm == "main"]
+        if not main:
+            return f"{sum(ok for _, ok, _ in self.checks)}/{len(self.checks)} checks of the saved asset passed"
+        worst = max(r.rel_max_abs_d for r in main)
+        red = [r for r in self.results if r.arm != "main"]
+        return (f"{len(main)} records, rel max |d| {worst:.2e} (bar {self.bars()['rel_max_abs_d']:g}); red arms "
+                + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red))
 
     def summary(self) -> dict[str, Any]:
         main = [r for r in self.results if r.arm == "main"]
@@ -118,110 +150,31 @@ class BackboneReport:
                 "records": {r.name: {"tokens": r.tokens, "calls": r.calls, "rel_max_abs_d": r.rel_max_abs_d,
                                      "min_row_cosine": r.min_row_cosine} for r in main},
                 "red": {r.arm: r.rel_max_abs_d for r in self.results if r.arm != "main"},
-                "bars": {k: v[0] for k, v in TOLERANCES[self.compute].items()},
+                "red_record": next((r.name for r in self.results if r.arm != "main"), None),
+                "bars": self.bars(),
                 "checks": {n: ok for n, ok, _ in self.checks}, "failures": self.failures, "notes": self.notes}
-
-    def raise_for_failures(self) -> None:
-        if self.failures:
-            raise NumericError(f"{self.bundle}: verification failed: {self.failures[0]}"
-                               + (f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""))
 
 
 def record_lengths(chunk: int, context: int, long_record: int | None) -> dict[str, int]:
-    """1, S - 1, S, S + 1, three chunks, and one near the context (all within the context)."""
-    longest = min(long_record or context - chunk + 1, context)
-    out = {"one": 1, "chunk-1": chunk - 1, "chunk": chunk, "chunk+1": chunk + 1, "three-chunks": 3 * chunk - chunk // 2,
-           "near-context": longest}
+    """1, S - 1, S, S + 1, three chunks (or as many as the context holds), and one near the
+    context. A ``long_record`` above the context is refused, never clamped."""
+    if long_record is not None and long_record > context:
+        raise UsageError(f"long record of {long_record} tokens exceeds the backbone's context of {context}")
+    longest = long_record or context - chunk + 1
+    out = {"one": 1, "chunk-1": chunk - 1, "chunk": chunk, "chunk+1": chunk + 1,
+           "three-chunks": min(3 * chunk - chunk // 2, context), "near-context": longest}
     return {k: v for k, v in out.items() if 1 <= v <= context}
 
 
-def check_files(bundle: Path):
-    """The manifest, its asset and tokenizer files; ``IntegrityError`` naming the first broken file."""
-    from ..layout import MANIFEST_FILE
-    from ..manifest import check_file
-    from .manifest import BackboneManifest
-
-    path = Path(bundle) / MANIFEST_FILE
-    try:
-        m = BackboneManifest.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: missing") from None
-    except ValueError as exc:
-        raise IntegrityError(f"{path}: not a backbone manifest ({str(exc).splitlines()[0]})") from None
-    asset = Path(bundle) / m.assets["main"]
-    digest = check_file(asset / "main.mlirb", m.export.main_mlirb)
-    if not (asset / "main.hash").is_file() or (asset / "main.hash").read_bytes().hex() != digest:
-        raise IntegrityError(f"{asset / 'main.hash'}: does not hold the sha256 of main.mlirb")
-    from ..digest import sha256_file
-    from .release import TOKENIZER_DIR
-
-    for name, want in m.tokenizer.items():
-        f = Path(bundle) / TOKENIZER_DIR / name
-        if not f.is_file() or sha256_file(f) != want:
-            raise IntegrityError(f"{f}: missing or its sha256 differs from the manifest's")
-    checks = [("main.mlirb sha256 = manifest", True, digest[:16]), ("main.hash = sha256(main.mlirb)", True, "ok"),
-              ("tokenizer files = manifest", True, f"{len(m.tokenizer)} files")]
-    return m, asset, checks
-
-
-_DTYPES = {"Float32": "fp32", "Float16": "fp16", "Int32": "int32"}
-
-
-def bytecode_descriptor(asset: Path) -> dict[str, Any]:
-    """Functions, inputs, states and outputs as the asset's bytecode declares them, read without
-    compiling it: the runtime's load writes a compiled fp32 copy of the weights first (about 32 GB
-    for a 9B), and coreai's ``AIModelAsset.summary`` reads the whole file into memory (16 GB), so it
-    reads a skeleton of ``main.mlirb`` (``mlirb.skeleton``: every blob's data left out, a few KB)."""
-    import shutil
-    import tempfile
-
-    from coreai.authoring.asset import AIModelAsset
-
-    from ..mlirb import skeleton
-
-    with tempfile.TemporaryDirectory(prefix="clef-descriptor-") as tmp:
-        copy = Path(tmp) / Path(asset).name
-        copy.mkdir()
-        shutil.copy2(Path(asset) / "metadata.json", copy / "metadata.json")
-        skeleton(Path(asset) / "main.mlirb", copy / "main.mlirb")
-        s = AIModelAsset.load(copy).summary(include_statistics=False)
-        functions = list(s.function_names)
-        raw = {kind: list(read(FUNCTION)) for kind, read in (("inputs", s.function_inputs), ("states", s.function_states),
-                                                             ("outputs", s.function_outputs))} if FUNCTION in functions else {}
-
-    def spec(text: str) -> dict[str, Any]:  # "NDArray (Float32, 1 × 64 × 4096)", "NDArray (Int32, 1 × ?)"
-        got = re.fullmatch(r"NDArray \((\w+), (.*)\)", text.strip())
-        if not got:
-            return {"shape": [], "dtype": text}
-        dims = [-1 if d.strip() == "?" else int(d) for d in got.group(2).split("×")]
-        return {"shape": dims, "dtype": _DTYPES.get(got.group(1), got.group(1))}
-
-    return {"functions": functions, **{kind: {n: spec(t) for n, t in pairs} for kind, pairs in raw.items()}}
-
-
-def descriptor_checks(asset: Path, m, compiled: bool = True) -> list[tuple[str, bool, str]]:
-    """The manifest's interface against the runtime's descriptor (``compiled``) or the bytecode's."""
-    from .runtime import describe
-
-    d = describe(asset) if compiled else bytecode_descriptor(asset)
-    where = "runtime" if compiled else "bytecode"
-    out = [(f"functions = [main] ({where})", d["functions"] == [m.interface.function], str(d["functions"]))]
-    if "inputs" not in d:
-        return out
-
-    def same(kind: str, got: dict[str, Any], want: dict[str, Any]) -> None:
-        for name, spec in want.items():
-            g = got.get(name)
-            shape = [-1 if isinstance(x, str) else x for x in spec.shape]
-            ok = g is not None and g["shape"] == shape and spec.dtype in g["dtype"].replace("float", "fp").replace("int32", "int32")
-            out.append((f"{kind} {name} {shape} {spec.dtype}", ok, "ok" if ok else f"the {where} says {g}"))
-        extra = sorted(set(got) - set(want))
-        out.append((f"no other {kind}", not extra, "ok" if not extra else ", ".join(extra)))
-
-    same("input", d["inputs"], m.interface.inputs)
-    same("state", d["states"], m.interface.states)
-    same("output", d["outputs"], m.interface.outputs)
-    return out
+def red_record(lengths: dict[str, int], chunk: int) -> str:
+    """The record the red arms run on: three chunks where the context holds them, else the longest
+    record that spans two or more chunks (the state arm needs a state carried across a boundary)."""
+    if lengths.get("three-chunks", 0) > 2 * chunk:
+        return "three-chunks"
+    spanning = [k for k, v in lengths.items() if v > chunk]
+    if not spanning:
+        raise UsageError(f"no record spans two chunks of {chunk} within the context: the state arm cannot run")
+    return max(spanning, key=lambda k: lengths[k])
 
 
 def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
@@ -231,26 +184,30 @@ def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
 
 
 def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> BackboneReport:
-    from ..pins import load_pins
+    from ..sources.pins import load_pins
     from ..provenance import tool_versions
-    from ..source import resolve_source
-    from . import host
+    from ..sources.fetch import resolve_source
+    from ..backbone import host
     from ..progress import counting, progress
-    from .asset_weights import compare
-    from .reference import StreamedTextModel
-    from .contract import weight_names
-    from .release import release_config, verify_files
-    from .runtime import runner
-    from .weights import locate
+    from ..backbone.asset_weights import compare
+    from ..backbone.reference import StreamedTextModel
+    from ..backbone.contract import weight_names
+    from ..backbone.files import release_config, verify_files
+    from ..backbone.runtime import runner
+    from ..backbone.weights import locate
 
     t_start = time.perf_counter()
     m, asset, checks = check_files(cfg.bundle)
-    pins = load_pins(cfg.pins_path)
+    pins = cfg.pins or load_pins(cfg.pins_path)
+    other = sorted(k for k in m.source.files if pins.files.get(k) != m.source.files[k])
+    if other or m.source.hf_id != pins.hf_id:  # before any hashing or numeric work (exit 3, at once)
+        why = f"{other[0]} differs" if other else f"it names {m.source.hf_id}"
+        raise IntegrityError(f"{cfg.bundle}: built from another release than {pins.label} ({why}); pass the release "
+                             f"it was built from (--source, --pins)")
     source = resolve_source(cfg.source, pins)
-    verify_files(source, pins, cfg.pins_path, sorted(m.source.files))
-    same = m.source.files == {k: pins.files[k] for k in m.source.files} and m.source.hf_id == pins.hf_id
-    checks.append(("manifest source = release files", same, "ok" if same else f"the manifest names {m.source.hf_id}, "
-                   f"the pins {pins.hf_id}, or other file digests"))
+    if cfg.checked is None or any(cfg.checked.get(n) != d for n, d in m.source.files.items()):
+        verify_files(source, pins, cfg.pins_path, sorted(m.source.files))
+    checks.append(("manifest source = release files", True, f"{len(m.source.files)} files, sha256 = pins"))
     text = release_config(source)
     compute = m.export.compute
     chunk, context = m.language.prefill_chunk, m.language.max_context
@@ -286,8 +243,9 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         gc.collect()
         state_dtype = "fp32" if compute == "fp32" else "fp16"
 
+        red_on = red_record(lengths, chunk) if cfg.red else None
         plan = [(name, arm) for name in records
-                for arm in ["main"] + (list(RED_ARMS) if cfg.red and name == "three-chunks" else [])]
+                for arm in ["main"] + (list(RED_ARMS) if name == red_on else [])]
 
         async def run_all():
             out = []
@@ -304,7 +262,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            runs = asyncio.run(run_all())
+            runs = run_async(run_all)
         for name, arm, got, secs in runs:
             rel, cos = _compare(got, wants[name])
             results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),
@@ -313,9 +271,55 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
                 f"min row cosine {cos:.7f} ({secs:.1f} s)")
     transcript = {"bundle": str(cfg.bundle), "compute": compute, "source": {"hf_id": pins.hf_id, "revision": pins.revision},
                   "bars": tolerances(compute), "seed": cfg.seed, "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
-                  "records": [r.__dict__ for r in results], "notes": notes, "versions": tool_versions(),
+                  "records": [r.__dict__ for r in results],
+                  "arms_run": [{"record": r.name, "arm": r.arm} for r in results],  # every arm, the red ones named
+                  "notes": notes, "versions": tool_versions(),
                   "seconds": time.perf_counter() - t_start}
     report = BackboneReport(bundle=Path(cfg.bundle), compute=compute, results=results, checks=checks, transcript=transcript,
-                            notes=notes)
+                            notes=notes, red_arms=RED_ARMS if cfg.red else ())
     transcript["ok"], transcript["failures"] = report.ok, report.failures
     return report
+
+
+# ---------------------------------------------------------------- the gate stage's entry (gate.MODELS)
+
+KIND = "decision-backbone"
+MODEL = "backbone"
+OPTIONS = ("--red", "--seed")  # --red: the backbone's red arms always run
+FIXED_RECORDS = "runs fixed record lengths (1, S - 1, S, S + 1, three chunks, near the context)"
+
+
+def manifest_of(bundle: Path):
+    return check_files(bundle)[0]
+
+
+def source_of(manifest) -> tuple[str, str | None]:
+    return manifest.source.hf_id, manifest.source.revision
+
+
+def run(opts, manifest, pins_path: Path, log=lambda msg: None) -> BackboneReport:
+    return verify_backbone(BackboneVerifyConfig(bundle=opts.bundle, source=opts.source, pins_path=pins_path,
+                                                seed=opts.seed), log=log)
+
+
+def inspect(bundle: Path) -> dict[str, Any]:
+    """The manifest and the descriptor the bytecode declares (no compiled copy: any size)."""
+    from ..backbone.bundle import bytecode_descriptor
+    from ..formats import aimodel
+
+    m, asset, _ = check_files(bundle)
+    d = bytecode_descriptor(asset)
+    io = {kind: [{"name": n, "shape": s["shape"], "dtype": s["dtype"]} for n, s in d.get(kind, {}).items()]
+          for kind in ("inputs", "states", "outputs")}
+    return {"name": m.name, "kind": m.kind, "format": aimodel.FORMAT, "weights": m.export.weights, "compute": m.export.compute,
+            "asset_bytes": m.export.aimodel_bytes, "main_mlirb": m.export.main_mlirb.model_dump(),
+            "source": {"hf_id": m.source.hf_id, "revision": m.source.revision},
+            "language": {"prefill_chunk": m.language.prefill_chunk, "max_context": m.language.max_context,
+                         "hidden_size": m.language.hidden_size, "vocab_size": m.language.vocab_size,
+                         "layers": len(m.language.layer_types)},
+            "functions": [{"name": f, **io} for f in d["functions"]]}
+
+
+def asset_facts(bundle: Path) -> tuple[str, str, str]:
+    m, asset, _ = check_files(bundle)
+    return m.name, asset.suffix[1:], m.export.main_mlirb.sha256

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import UsageError, first_validation_error
+from ..errors import UsageError, first_validation_error
 
 CODE_FILE = "joint_schema_model.py"
 WEIGHTS_FILE = "joint_head.safetensors"

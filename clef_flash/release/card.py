@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import IntegrityError
-from .layout import LICENSE_FILES, SUMS_FILE
+from ..errors import IntegrityError
+from ..layout import LICENSE_FILES, SUMS_FILE
 
 HEAD_KIND, BACKBONE_KIND = "decision-head", "decision-backbone"
 TABLE_SIDECAR = "host/lm_head_fp16.json"

@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .digest import sha256_file
-from .errors import IntegrityError, UsageError
-from .layout import LICENSE_FILES
+from ..digest import sha256_file
+from ..errors import IntegrityError, UsageError
+from ..layout import LICENSE_FILES
 from .pins import HEAD_FILES, Pins
 
 

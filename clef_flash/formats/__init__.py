@@ -13,8 +13,8 @@ from typing import Any, Callable, Protocol
 from pydantic import BaseModel
 
 from . import aimodel, mlpackage
-from .errors import UsageError
-from .manifest import Seconds
+from ..errors import UsageError
+from ..manifest import Seconds
 
 # The published manifest has no ``format`` key: a manifest without one is a Core AI bundle.
 DEFAULT_FORMAT = aimodel.FORMAT

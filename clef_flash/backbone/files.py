@@ -8,10 +8,10 @@ from pathlib import Path
 
 from ..digest import sha256_file
 from ..errors import IntegrityError
-from ..pinning import BACKBONE_CONFIG, TOKENIZER_FILES
-from ..pins import Pins
+from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
+from ..sources.pins import Pins
 from .contract import TextConfig, read_text_config
-from .weights import INDEX_FILE, shard_files
+from ..sources.safetensors import INDEX_FILE, shard_files
 
 TOKENIZER_DIR = "tokenizer"
 

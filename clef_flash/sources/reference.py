@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import IntegrityError, ToolchainError, UsageError
+from ..errors import IntegrityError, ToolchainError, UsageError
 
 TRANSFORMERS_MIN = (5, 10, 2)
 EXTRA = "pip install 'clef-export[reference]'"

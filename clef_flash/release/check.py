@@ -24,7 +24,6 @@ only; it must fail.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import tempfile
 import time
@@ -36,7 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import IntegrityError, ToolchainError, UsageError
+from ..errors import IntegrityError, ToolchainError, UsageError
+from ..interrupts import gather_all, run_async
 
 # Bars on the probabilities before the author's rounding, by the reference's dtype; data, each
 # with its reason, written into the transcript.
@@ -90,7 +90,7 @@ class Request:
 
 
 def default_requests() -> Path:
-    from .data import data_dir
+    from ..data import data_dir
 
     return data_dir("conversion") / "requests.jsonl"
 
@@ -152,7 +152,7 @@ def load_requests(path: Path) -> list[Request]:
 
 def _trusted(release: Path) -> str | None:
     """The author file's sha256 the release's own pins trust (``pin --trust-author-code``), if any."""
-    from .pins import load_pins
+    from ..sources.pins import load_pins
 
     return load_pins(release / "pins.json").trusted_author_sha256 if (release / "pins.json").is_file() else None
 
@@ -160,9 +160,9 @@ def _trusted(release: Path) -> str | None:
 def _release_module(release: Path, manifest: Any):
     """The release's head files must be the ones the bundle was built from; the author's file
     runs only when known, or trusted by the release's pins."""
-    from .author import check_author_trusted, load_author_module, load_config, load_state
-    from .digest import sha256_file
-    from .pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE
+    from ..sources.author import check_author_trusted, load_author_module, load_config, load_state
+    from ..digest import sha256_file
+    from ..sources.pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE
 
     src = manifest.head.source
     want = {CODE_FILE: src.joint_schema_model_sha256, CONFIG_FILE: src.joint_head_config_sha256,
@@ -187,8 +187,8 @@ def _release_module(release: Path, manifest: Any):
 
 def _lm_head_file(release: Path) -> Path:
     """The release's checkpoint file that holds ``lm_head.weight`` (through its index when sharded)."""
-    from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR
-    from .pinning import lm_head_shard
+    from ..sources.lm_head import INDEX_FILE, SINGLE_FILE, TENSOR
+    from ..sources.pinning import lm_head_shard
 
     index_path = release / INDEX_FILE
     if not index_path.is_file():
@@ -205,8 +205,8 @@ def _lm_head_file(release: Path) -> Path:
 
 def _open_given_table(table: Path, release: Path) -> tuple[np.memmap, dict[str, Any]]:
     """A table made by ``lm-head-table``, whose sidecar says it came from this release's lm_head."""
-    from .digest import sha256_file
-    from .lm_head import SIDECAR_FILE, open_table
+    from ..digest import sha256_file
+    from ..sources.lm_head import SIDECAR_FILE, open_table
 
     table = Path(table)
     sidecar_path = table.parent / SIDECAR_FILE
@@ -230,8 +230,8 @@ def _open_given_table(table: Path, release: Path) -> tuple[np.memmap, dict[str, 
 
 def _build_table(release: Path, tmp: Path, log) -> tuple[np.memmap, dict[str, Any]]:
     """``lm-head-table`` of the release into a temporary folder (pins made on the fly)."""
-    from .lm_head import TABLE_FILE, lm_head_table, open_table
-    from .pinning import pin_local
+    from ..sources.lm_head import TABLE_FILE, lm_head_table, open_table
+    from ..sources.pinning import pin_local
 
     pins, pins_path = pin_local(release, tmp / "pins.json", trust_author=_trusted(release))
     result = lm_head_table(release, pins, pins_path, tmp / "table", log=log)
@@ -253,7 +253,7 @@ class NextRowTable:
 
 def _shift_spans(questions: Any, length: int) -> list[Any]:
     """Red arm ``spans``: every question and option span one token late (one early at the end)."""
-    from .host import Question
+    from ..head.host import Question
 
     def move(span: tuple[int, int]) -> tuple[int, int]:
         s, e = span
@@ -329,14 +329,23 @@ class CheckReport:
         return not self.failures
 
 
+def _check_kinds(bundle: Path, backbone: Path | None) -> None:
+    from ..gate import kind_of
+
+    if kind_of(bundle).MODEL != "head":
+        raise UsageError(f"{bundle}: this is a backbone bundle: pass it as --backbone, and the head bundle as --bundle")
+    if backbone is not None and kind_of(Path(backbone)).MODEL != "backbone":
+        raise UsageError(f"{backbone}: this is a head bundle: pass it as --bundle, and the backbone bundle as --backbone")
+
+
 def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     """Every request through the author's model and through the shipped head; see the module."""
-    from .artifact import check_bundle
-    from .host import HostInputError, answers, check_fits, head_inputs, question_probs
-    from .manifest import pads
-    from .provenance import tool_versions
-    from .backbone.shipped import hidden_rows, open_backbone
-    from .reference import Reference, import_reference
+    from ..gate.artifact import check_bundle
+    from ..head.host import HostInputError, answers, check_fits, head_inputs, question_probs
+    from ..manifest import pads
+    from ..provenance import tool_versions
+    from ..backbone.shipped import hidden_rows, open_backbone
+    from ..sources.reference import Reference, import_reference
 
     t_start = time.perf_counter()
     release, bundle = Path(cfg.release), Path(cfg.bundle)
@@ -348,6 +357,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         raise UsageError("--red state perturbs the backbone's host loop: it needs --backbone")
     if not release.is_dir():
         raise UsageError(f"{release}: release folder not found")
+    _check_kinds(bundle, cfg.backbone)  # a bundle passed in the other's place: said at once, by name
     requests = load_requests(cfg.requests or default_requests())
     import_reference()
 
@@ -390,7 +400,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         entries: list[dict[str, Any]] = []
         seen_by: list[tuple[int, Any, Any, int]] = []  # (entry index, Seen, the questions the host reads, bucket)
         t_ref = time.perf_counter()
-        from .progress import progress
+        from ..progress import progress
 
         with progress("reference: the author's systemone", len(requests), "requests") as tick:
             for req in requests:
@@ -441,7 +451,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         t_run = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            logits = asyncio.run(_run_all(fmt.runner, asset, [(names[hi.bucket], hi) for _, hi, _ in jobs]))
+            logits = run_async(lambda: _run_all(fmt.runner, asset, [(names[hi.bucket], hi) for _, hi, _ in jobs]))
         run_seconds = time.perf_counter() - t_run
         log(f"shipped: {len(jobs)} asset calls in {run_seconds:.1f} s")
 
@@ -543,10 +553,10 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
 
 async def _run_all(runner, asset: Path, calls: list[tuple[str, Any]]) -> list[np.ndarray]:
     names = sorted({name for name, _ in calls})
-    from .progress import counting, progress
+    from ..progress import counting, progress
 
     async with runner(asset, names) as call:
         with progress("head asset", len(calls), "calls") as tick:
             counted = counting(call, tick)
-            return await asyncio.gather(*[counted(name, hi.arrays) for name, hi in calls])
+            return await gather_all(*[counted(name, hi.arrays) for name, hi in calls])
 

@@ -19,9 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .bundle import atomic_write_bytes
-from .errors import IntegrityError, ToolchainError, first_validation_error
-from .digest import sha256_bytes
+from ..bundle import atomic_write_bytes
+from ..errors import IntegrityError, ToolchainError, first_validation_error
+from ..digest import sha256_bytes
 
 AUTHOR_SHA256 = "0e304cf7c6500e8bb59bef7e2afd2c6373f82596dfb3b57d1aa93c175e2dc3a3"
 # The joint_schema_model.py files this tool executes without being told to: Cloudflare's published
@@ -32,6 +32,34 @@ AUTHOR_WHEEL = "clef-finetune==0.1.0"
 AUTHOR_MEMBER = "clef_finetune/_vendor/joint_schema_model.py"
 
 _MODULES: dict[str, types.ModuleType] = {}
+AUTHOR_ENV = "CLEF_AUTHOR_CODE"
+CHECKOUT_COPY = Path(".cache/author/joint_schema_model.py")  # where `make setup` puts it in a checkout
+
+
+def default_author_code() -> Path:
+    """Where the author's file is looked for and, by ``author-code``, written: ``$CLEF_AUTHOR_CODE``,
+    else a checkout's ``.cache/author/`` copy when the command runs in one, else the user's cache
+    (``$XDG_CACHE_HOME`` or ``~/.cache``, ``clef-export/author/``): so an installed tool works from
+    any folder."""
+    import os
+
+    if os.environ.get(AUTHOR_ENV):
+        return Path(os.environ[AUTHOR_ENV])
+    if CHECKOUT_COPY.is_file():
+        return CHECKOUT_COPY
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "clef-export" / "author" / "joint_schema_model.py"
+
+
+def require_author_code(path: Path | None) -> Path:
+    """The author's file for the synthetic writers, checked to exist before any work."""
+    from ..errors import UsageError
+
+    path = Path(path) if path is not None else default_author_code()
+    if not path.is_file():
+        raise UsageError(f"{path}: the author's joint_schema_model.py is not there; run `clef-export author-code"
+                         f"{'' if path == default_author_code() else f' --out {path}'}` first (or pass --author-code)")
+    return path
 
 
 def obtain_author_code(out: Path, expected_sha256: str = AUTHOR_SHA256) -> Path:

@@ -1,0 +1,100 @@
+"""A backbone bundle read back: its files against its manifest (``main.mlirb``, ``main.hash``, the
+tokenizer files) and its descriptor (the runtime's, or the bytecode's without compiling it) against
+the manifest's interface. The gate and check-release's backbone side both start here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ..digest import sha256_file
+from ..errors import IntegrityError
+from .contract import FUNCTION
+from .files import TOKENIZER_DIR
+
+
+def check_files(bundle: Path):
+    """The manifest, its asset and tokenizer files; ``IntegrityError`` naming the first broken file."""
+    from ..layout import MANIFEST_FILE
+    from ..manifest import check_file
+    from ..backbone.manifest import BackboneManifest
+
+    path = Path(bundle) / MANIFEST_FILE
+    try:
+        m = BackboneManifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing") from None
+    except ValueError as exc:
+        raise IntegrityError(f"{path}: not a backbone manifest ({str(exc).splitlines()[0]})") from None
+    asset = Path(bundle) / m.assets["main"]
+    digest = check_file(asset / "main.mlirb", m.export.main_mlirb)
+    if not (asset / "main.hash").is_file() or (asset / "main.hash").read_bytes().hex() != digest:
+        raise IntegrityError(f"{asset / 'main.hash'}: does not hold the sha256 of main.mlirb")
+    for name, want in m.tokenizer.items():
+        f = Path(bundle) / TOKENIZER_DIR / name
+        if not f.is_file() or sha256_file(f) != want:
+            raise IntegrityError(f"{f}: missing or its sha256 differs from the manifest's")
+    checks = [("main.mlirb sha256 = manifest", True, digest[:16]), ("main.hash = sha256(main.mlirb)", True, "ok"),
+              ("tokenizer files = manifest", True, f"{len(m.tokenizer)} files")]
+    return m, asset, checks
+
+
+_DTYPES = {"Float32": "fp32", "Float16": "fp16", "Int32": "int32"}
+
+
+def bytecode_descriptor(asset: Path) -> dict[str, Any]:
+    """Functions, inputs, states and outputs as the asset's bytecode declares them, read without
+    compiling it: the runtime's load writes a compiled fp32 copy of the weights first (about 32 GB
+    for a 9B), and coreai's ``AIModelAsset.summary`` reads the whole file into memory (16 GB), so it
+    reads a skeleton of ``main.mlirb`` (``mlirb.skeleton``: every blob's data left out, a few KB)."""
+    import shutil
+    import tempfile
+
+    from coreai.authoring.asset import AIModelAsset
+
+    from ..formats.mlirb import skeleton
+
+    with tempfile.TemporaryDirectory(prefix="clef-descriptor-") as tmp:
+        copy = Path(tmp) / Path(asset).name
+        copy.mkdir()
+        shutil.copy2(Path(asset) / "metadata.json", copy / "metadata.json")
+        skeleton(Path(asset) / "main.mlirb", copy / "main.mlirb")
+        s = AIModelAsset.load(copy).summary(include_statistics=False)
+        functions = list(s.function_names)
+        raw = {kind: list(read(FUNCTION)) for kind, read in (("inputs", s.function_inputs), ("states", s.function_states),
+                                                             ("outputs", s.function_outputs))} if FUNCTION in functions else {}
+
+    def spec(text: str) -> dict[str, Any]:  # "NDArray (Float32, 1 × 64 × 4096)", "NDArray (Int32, 1 × ?)"
+        got = re.fullmatch(r"NDArray \((\w+), (.*)\)", text.strip())
+        if not got:
+            return {"shape": [], "dtype": text}
+        dims = [-1 if d.strip() == "?" else int(d) for d in got.group(2).split("×")]
+        return {"shape": dims, "dtype": _DTYPES.get(got.group(1), got.group(1))}
+
+    return {"functions": functions, **{kind: {n: spec(t) for n, t in pairs} for kind, pairs in raw.items()}}
+
+
+def descriptor_checks(asset: Path, m, compiled: bool = True) -> list[tuple[str, bool, str]]:
+    """The manifest's interface against the runtime's descriptor (``compiled``) or the bytecode's."""
+    from ..backbone.runtime import describe
+
+    d = describe(asset) if compiled else bytecode_descriptor(asset)
+    where = "runtime" if compiled else "bytecode"
+    out = [(f"functions = [main] ({where})", d["functions"] == [m.interface.function], str(d["functions"]))]
+    if "inputs" not in d:
+        return out
+
+    def same(kind: str, got: dict[str, Any], want: dict[str, Any]) -> None:
+        for name, spec in want.items():
+            g = got.get(name)
+            shape = [-1 if isinstance(x, str) else x for x in spec.shape]
+            ok = g is not None and g["shape"] == shape and spec.dtype in g["dtype"].replace("float", "fp").replace("int32", "int32")
+            out.append((f"{kind} {name} {shape} {spec.dtype}", ok, "ok" if ok else f"the {where} says {g}"))
+        extra = sorted(set(got) - set(want))
+        out.append((f"no other {kind}", not extra, "ok" if not extra else ", ".join(extra)))
+
+    same("input", d["inputs"], m.interface.inputs)
+    same("state", d["states"], m.interface.states)
+    same("output", d["outputs"], m.interface.outputs)
+    return out

@@ -1,0 +1,61 @@
+"""The build stage: plan -> staged bundle -> the model's export (a worker process) -> manifest and
+build record -> the model's gate on the staged bundle -> rename into place.
+
+The model is picked once, from the recipe's ``model``, in ``MODELS``: each entry is a module with
+the same names (``MODEL``, ``refuse``, ``plan``, ``export``, ``export_job``, ``gate``, ``summary``).
+A third model is one module here and its registration. The plan checks everything that can be
+checked cheaply (options, pins, source hashes, output path, free space) before any heavy work; the
+bundle is built in a temporary sibling folder (``bundle.staged_dir``): it appears complete or not
+at all, and a failed gate lands nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from types import ModuleType
+
+from ..bundle import atomic_write_json, output_lock, staged_dir
+from ..layout import RECORD_FILE
+from . import backbone, head
+from .config import BuildConfig, BuildResult, Plan, bundle_name
+
+MODELS: dict[str, ModuleType] = {m.MODEL: m for m in (head, backbone)}
+
+__all__ = ["MODELS", "BuildConfig", "BuildResult", "Plan", "build", "bundle_name", "plan", "steps"]
+
+
+def steps(recipe) -> ModuleType:
+    """The build steps of the recipe's model (``recipe.load_recipe`` refused an unknown one)."""
+    return MODELS[recipe.model]
+
+
+def plan(cfg: BuildConfig, log=lambda msg: None) -> Plan:
+    """Everything checked that can be checked before the work: what ``--dry-run`` shows."""
+    s = steps(cfg.recipe)
+    s.refuse(cfg)
+    return s.plan(cfg, log, defer=not cfg.dry_run)
+
+
+def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
+    """Plan, export, manifest, record, gate, land; ``seconds`` times the whole command by stage."""
+    t_start = time.perf_counter()
+    s = steps(cfg.recipe)
+    p = plan(cfg, log)
+    seconds = {"plan": time.perf_counter() - t_start}
+    if cfg.dry_run:
+        return BuildResult(bundle=p.bundle, manifest=None, record={}, plan=p.info, seconds=seconds)
+    with output_lock(p.bundle), staged_dir(p.bundle, cfg.overwrite) as tmp:
+        t0 = time.perf_counter()
+        made = s.export(p, tmp, log)
+        seconds["export"] = time.perf_counter() - t0
+        record = made.record
+        if cfg.verify and cfg.recipe.verify.enabled:
+            t0 = time.perf_counter()
+            report = s.gate(p, tmp, log)
+            seconds["gate"] = time.perf_counter() - t0
+            record["verify"] = {**report.summary(), "headline": report.headline()}
+            report.raise_for_failures()  # the staged bundle is discarded: nothing lands
+        atomic_write_json(tmp / RECORD_FILE, record)
+    seconds["total"] = time.perf_counter() - t_start
+    return BuildResult(bundle=p.bundle, manifest=made.manifest, record=record, plan=p.info,
+                       seconds={**{k: round(v, 3) for k, v in seconds.items()}, "export_stages": made.seconds})

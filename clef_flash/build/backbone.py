@@ -1,0 +1,206 @@
+"""``build`` of a backbone recipe: plan -> staged bundle -> export worker -> tokenizer -> manifest
+-> build record -> gate -> rename into place.
+
+The plan checks everything cheap first: the pins, every file the build reads against them (the
+config, every shard, the tokenizer files: a file the build would read and the pins do not name is
+refused), the configuration, the tensors' shapes (headers only), the output path and the free
+space for ``main.mlirb`` and the numeric gate's compiled copy (``disk_need``). The bundle is
+built in a temporary sibling folder, so it lands whole or not at all.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from ..bundle import atomic_write_bytes, atomic_write_json, check_free_space, check_output_path
+from ..digest import sha256_file, tree_bytes, tree_files
+from ..errors import IntegrityError, UsageError
+from ..formats import aimodel  # a backbone is a Core AI asset: the format's own names
+from ..layout import MANIFEST_FILE
+from ..manifest import Compilation, FileDigest, LocalOrigin
+from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
+from ..sources.pins import load_pins
+from ..provenance import asset_description, build_date, build_record
+from ..backbone.contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract
+from ..backbone.contract import weight_names
+from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface, Language, TensorSpec
+from ..backbone.files import TOKENIZER_DIR, BackgroundHashes, check_pinned, read_files, release_config, verify_files
+from ..backbone.weights import locate, scratch_bytes, shard_files
+
+from .config import BuildConfig, Made, Plan, bundle_name
+from .process import run_export
+
+MODEL = "backbone"
+SHIPS_LM_HEAD_TABLE = True  # a release with the backbone is the whole model: the host's lexical table ships too
+
+
+def compiles(recipe) -> bool:
+    return False  # AOT of the stateful decoder is not offered yet
+MARGIN = 64 << 20
+
+
+def disk_need(fp16_bytes: int, numeric: bool) -> int:
+    """Bytes the build puts on the output's disk at its peak: ``main.mlirb`` (the fp16 weights once:
+    the large tensors are converted straight into it, ``mlirb.inflate``; the scratch file holds only
+    small ones), and where the numeric gate runs, the runtime's compiled copy with fp32 weights."""
+    return fp16_bytes + (2 * fp16_bytes if numeric else 0) + MARGIN
+
+
+def refuse(cfg: BuildConfig) -> None:
+    """Options a backbone build cannot take: exit 2 naming the option and the model."""
+    if cfg.format is not None and cfg.format != aimodel.FORMAT:
+        raise UsageError(f"{cfg.recipe_path}: --format {cfg.format}: a backbone is built as a Core AI asset only")
+    if cfg.verify_records is not None:
+        raise UsageError(f"{cfg.recipe_path}: --verify-records is for a head's gate; a backbone's gate runs its fixed "
+                         f"record lengths (1, S - 1, S, S + 1, three chunks, near the context)")
+    if cfg.aot:
+        raise UsageError(f"{cfg.recipe_path}: --aot is not offered for a backbone bundle yet")
+
+
+def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
+    """Everything checked before work. ``defer``: the shards are checked to be pinned and present
+    here, and hashed while the export runs (``BackgroundHashes``, listed in "deferred"); a dry run
+    hashes them here."""
+    from ..sources.fetch import resolve_source
+
+    recipe = cfg.recipe
+    pins = load_pins(cfg.pins_path)
+    final = Path(cfg.out) / bundle_name(recipe, pins, cfg.name)
+    check_output_path(final, cfg.overwrite)
+    source = resolve_source(cfg.source, pins)
+    if not source.is_dir():
+        raise IntegrityError(f"{source}: source folder not found")
+    names = read_files(source)
+    later = [n for n in shard_files(source) if n in names] if defer else []
+    check_pinned(source, pins, cfg.pins_path, later)  # the rest: verify_files
+    digests = verify_files(source, pins, cfg.pins_path, [n for n in names if n not in later], log)
+    text = release_config(source)
+    chunking = Chunking(recipe.chunk, recipe.context)
+    try:
+        check_contract(text, chunking)
+    except ValueError as exc:
+        raise IntegrityError(f"{source / BACKBONE_CONFIG}: {exc}") from None
+    infos = locate(source, weight_names(text))
+    fp16 = scratch_bytes(infos)
+    parameters = sum(math.prod(t.shape) for t in infos.values())
+    numeric = bool(cfg.verify and recipe.verify.enabled and parameters <= recipe.verify.numeric_max_parameters)
+    what = "the backbone build (main.mlirb and the numeric gate's compiled fp32 copy)" if numeric else \
+        "the backbone build (main.mlirb)"
+    check_free_space(final.parent, disk_need(fp16, numeric), what)
+    info = {"recipe": str(cfg.recipe_path), "name": final.name, "model": MODEL, "bundle": str(final),
+            "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
+            "files": digests, "deferred": later, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,
+            "parameters": parameters, "weight_fp16_bytes": fp16, "text_config": text.as_dict()}
+    return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
+                extra={"text": text, "chunking": chunking, "infos": infos})
+
+
+def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:
+    state = "fp32" if compute == "fp32" else "fp16"
+    shapes = text.state_shapes(chunking.context)
+    return Interface(
+        function=FUNCTION,
+        inputs={"input_ids": TensorSpec(shape=[1, chunking.chunk], dtype="int32"),
+                "position_ids": TensorSpec(shape=[1, "seq"], dtype="int32")},
+        input_order=list(INPUT_ORDER),
+        states={n: TensorSpec(shape=list(shapes[n]), dtype=state) for n in STATE_ORDER},
+        state_order=list(STATE_ORDER),
+        outputs={OUTPUT_NAMES[0]: TensorSpec(shape=[1, chunking.chunk, text.hidden_size], dtype=state)},
+        host_loop=HOST_LOOP,
+    )
+
+
+def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
+    """The worker's export into ``tmp`` (the shards hashed beside it), the tokenizer files, the
+    manifest and the build record."""
+    recipe, pins, source = p.cfg.recipe, p.pins, p.source
+    text, chunking = p.extra["text"], p.extra["chunking"]
+    asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
+    job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "text_config": text.as_dict(),
+           "chunk": recipe.chunk, "context": recipe.context, "compute": recipe.compute,
+           "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
+                           f"prefill chunk {recipe.chunk}, compute {recipe.compute}"}}
+    hashes = BackgroundHashes(source, pins, p.deferred) if p.deferred else None
+    try:
+        timings = run_export(asset_dir, job, log)
+    except BaseException:
+        if hashes is not None:
+            hashes.stop()
+        raise
+    if hashes is not None:  # a shard that fails its pin fails the build here, named
+        t0 = time.perf_counter()
+        found = {**p.files, **hashes.result()}
+        p.files = {n: found[n] for n in read_files(source)}  # the plan's order
+        p.info["files"] = p.files
+        log(f"{len(p.deferred)} shards matched their pins (hashed beside the export; "
+            f"{time.perf_counter() - t0:.1f} s waited)")
+    tok_dir = tmp / TOKENIZER_DIR
+    tok_dir.mkdir()
+    tokenizer = {}
+    for f in TOKENIZER_FILES:
+        if f in p.files:
+            atomic_write_bytes(tok_dir / f, (source / f).read_bytes())
+            digest = sha256_file(tok_dir / f)
+            if digest != p.files[f]:  # the file changed since it was checked
+                raise IntegrityError(f"{source / f}: changed while the bundle was built")
+            tokenizer[f] = digest
+    # main.hash: the sha256 save took of main.mlirb in the pass that named its blobs (not read again)
+    known = {"main.mlirb": (asset_dir / "main.hash").read_bytes().hex()}
+    outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir, known).items()}
+    outputs.update({f"{TOKENIZER_DIR}/{k}": v for k, v in tokenizer.items()})
+    mlirb = asset_dir / "main.mlirb"
+    seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
+    seconds["total"] = round(sum(seconds.values()), 3)
+    fp16 = int(timings["weight_fp16_bytes"])
+    from ..gate.backbone import tolerances
+
+    manifest = BackboneManifest(
+        metadata_version=METADATA_VERSION, kind=KIND, name=p.bundle.name, assets={"main": asset_dir.name},
+        language=Language(prefill_chunk=recipe.chunk, max_context=recipe.context, vocab_size=text.vocab_size,
+                          hidden_size=text.hidden_size, pad_token_id=text.pad_token_id,
+                          layer_types=list(text.layer_types), text_config=text.as_dict()),
+        interface=interface(text, chunking, recipe.compute),
+        source=BackboneSource(hf_id=pins.hf_id, revision=pins.revision, files=p.files, synthetic=pins.synthetic,
+                              origin=LocalOrigin(kind="local", name=pins.release_name, release=pins.release)
+                              if pins.origin == "local" else None),
+        tokenizer=tokenizer,
+        export=BackboneExport(weights=recipe.weights, compute=recipe.compute, aimodel_bytes=tree_bytes(asset_dir),
+                              main_mlirb=FileDigest(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
+                              weight_fp16_bytes=fp16, mlirb_over_weights=round(mlirb.stat().st_size / max(fp16, 1), 6),
+                              seconds=seconds, tolerances=tolerances(recipe.compute)),
+        compilation=Compilation(date=build_date(), targets=[]),
+    )
+    atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))
+    outputs[MANIFEST_FILE] = sha256_file(tmp / MANIFEST_FILE)
+    record = build_record(recipe, p.cfg.recipe_path, pins, dict(sorted(outputs.items())), text.hidden_size,
+                          {"model": MODEL, "text_config": text.as_dict(), "seconds": seconds,
+                           # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see backbone.weights)
+                           "scaled_tensors": int(timings.get("scaled_tensors", 0))})
+    return Made(manifest=manifest, record=record, seconds={k: v for k, v in seconds.items() if k != "total"})
+
+
+def gate(p: Plan, tmp: Path, log=lambda m: None):
+    """The backbone's gate on the staged bundle (its compiled copy on the output's disk), with the
+    digests the plan and the export checked (not hashed again)."""
+    from ..gate.backbone import BackboneVerifyConfig, verify_backbone
+
+    recipe = p.cfg.recipe
+    log("verifying the saved backbone against transformers' text model")
+    return verify_backbone(BackboneVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path,
+                                                seed=recipe.verify.seed, long_record=recipe.long_record,
+                                                numeric_max_parameters=recipe.verify.numeric_max_parameters,
+                                                scratch=tmp, pins=p.pins, checked=p.files), log=log)
+
+
+def summary(manifest) -> str:
+    e = manifest.export
+    return f"main.mlirb {e.main_mlirb.bytes:,} bytes ({e.mlirb_over_weights:.4f} x the fp16 weights)"
+
+
+def export_job(job: dict, log) -> dict:
+    """The worker's backbone job (``backbone.export``: weights streamed, traced, converted, saved)."""
+    from ..backbone.export import export_job as run
+
+    return run(job, log)
