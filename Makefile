@@ -19,14 +19,14 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench bench-backbone bench-identity bench-9b artifact fetch check backbone clean
+.PHONY: setup build test test-fast verify bench bench-backbone bench-identity bench-9b artifact fetch check backbone wheel clean
 
 setup: $(STAMP) $(AUTHOR)
 
 # torch first, pinned: the CPU build on disk, never a multi-GB download.
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q --upgrade pip 'setuptools>=77'
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test,reference]'
 	touch $@
@@ -122,5 +122,11 @@ bench-identity: setup $(SLICE)/pins.json
 bench-9b: setup $(SLICE)/pins.json
 	$(BIN)/python benchmarks/bench_9b.py --slice $(SLICE)
 
+# the installable wheel (recipes, pins and schemas inside; never the author's code) -> wheelhouse/
+wheel: setup
+	rm -rf wheelhouse
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w wheelhouse .
+	@ls -l wheelhouse/*.whl
+
 clean:
-	rm -rf build dist .cache .pytest_cache
+	rm -rf build dist wheelhouse .cache .pytest_cache

@@ -19,11 +19,12 @@ from rich.table import Table
 
 from .errors import ClefError
 from .interrupts import Interrupt
+from .progress import plural
 
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
-    help="Export Cloudflare's clef-flash joint schema head to an Apple Core AI asset, and prove it.",
+    help="Export a Clef release (its joint schema head, its Qwen3.5 decoder) to Apple Core AI assets, and prove them.",
     pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain click help: `--help` in 0.3 s instead of 0.45 s (rich panels)
 )
@@ -76,6 +77,9 @@ def _run(fn: Callable[[], Any]) -> Any:
 
 
 def _log(msg: str) -> None:
+    from .interrupts import check_interrupted
+
+    check_interrupted()  # a safe point: an interrupt deferred (inside an import, a native call) acts here
     err.print(f"[dim]·[/] {escape(msg)}", soft_wrap=True)
 
 
@@ -102,7 +106,7 @@ def _pins(pins: Optional[Path], source: Optional[Path] = None) -> Path:
 
 SourceOpt = Annotated[Optional[Path], typer.Option("--source", help="Snapshot folder (default: the pinned revision in the HF cache).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print a JSON result on stdout.")]
-RecipeArg = Annotated[Optional[Path], typer.Argument(help="Recipe TOML (default: conversion/head_bucket_fp16w32.toml).")]
+RecipeArg = Annotated[Optional[Path], typer.Argument(help="Recipe TOML: a head one (default: conversion/head_bucket_fp16w32.toml) or a backbone one (conversion/backbone_pf64_*.toml).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output (atomically).")]
 
 
@@ -136,7 +140,7 @@ def fetch(
     backbone: Annotated[bool, typer.Option("--backbone", help="Also every other pinned file: config, index, shards, tokenizer (a backbone build reads them).")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Download the head's pinned files by commit (HF_HOME, HF_ENDPOINT, HF_HUB_OFFLINE honoured)."""
+    """Download a release's pinned files by commit: the head's, or with --backbone every file (HF_HOME, HF_ENDPOINT, HF_HUB_OFFLINE honoured)."""
     from .sources.pins import load_pins
     from .sources.fetch import fetch as do_fetch
 
@@ -153,7 +157,7 @@ def fetch(
     if json_out:
         _emit_json({"hf_id": p.hf_id, "revision": revision or p.revision, "folder": str(folder), "files": sorted(p.files)})
     else:
-        err.print(f"fetched {len(p.files)} files of {p.hf_id}@{(revision or p.revision)[:12]} into {folder}")
+        err.print(f"fetched {plural(len(p.files), 'file')} of {p.hf_id}@{(revision or p.revision)[:12]} into {folder}")
         sys.stdout.write(f"{folder}\n")
 
 
@@ -187,7 +191,7 @@ def pin(
     p, path = _run(go)
     if json_out:
         _emit_json({"pins": str(path), **p.model_dump(mode="json")})
-    _human(json_out).print(f"[bold green]pinned[/] {escape(p.label)}: {len(p.files)} files -> {escape(str(path))}")
+    _human(json_out).print(f"[bold green]pinned[/] {escape(p.label)}: {plural(len(p.files), 'file')} -> {escape(str(path))}")
 
 
 @app.command("verify-hashes")
@@ -431,7 +435,7 @@ def verify(
             err.print(f"[bold red]FAIL[/] {escape(f)}")
         raise typer.Exit(4)
     if report.notes:
-        human.print(f"[bold green]checked[/]: {len(report.checks)} checks passed; outputs not compared here (see above)")
+        human.print(f"[bold green]checked[/]: {plural(len(report.checks), 'check')} passed; outputs not compared here (see above)")
     else:
         human.print("[bold green]verified[/]: every bar passed")
 
@@ -504,7 +508,7 @@ def check_release_cmd(
     transcript: Annotated[Optional[Path], typer.Option("--transcript", help="Write the JSON transcript here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Answer requests with the author's systemone and with the shipped head on the same hidden rows; exit 4 on any disagreement."""
+    """Answer requests with the author's systemone and with the shipped path (the head asset on the same hidden rows, or with --backbone the backbone asset's rows); exit 4 on any disagreement."""
     from .bundle import atomic_write_json
     from .release.check import CheckConfig, check_release
 
@@ -524,8 +528,8 @@ def check_release_cmd(
         if len(report.failures) > 20:
             err.print(f"[bold red]FAIL[/] … and {len(report.failures) - 20} more (see --transcript)")
         raise typer.Exit(4)
-    human.print(f"[bold green]answers agree[/]: {report.transcript['summary']['checked']} requests, "
-                f"{report.transcript['summary']['questions']} questions")
+    human.print(f"[bold green]answers agree[/]: {plural(report.transcript['summary']['checked'], 'request')}, "
+                f"{plural(report.transcript['summary']['questions'], 'question')}")
 
 
 @app.command()
@@ -575,7 +579,7 @@ def release(
     summary = _run(go)
     if json_out:
         _emit_json(summary)
-    _human(json_out).print(f"[bold green]released[/] {escape(summary['dist'])}: {len(summary['files'])} files + SHA256SUMS")
+    _human(json_out).print(f"[bold green]released[/] {escape(summary['dist'])}: {plural(len(summary['files']), 'file')} + SHA256SUMS")
 
 
 @app.command()
@@ -600,7 +604,7 @@ def publish(
             err.print(f"  {f['bytes']:>14,}  {escape(f['path'])}")
         sys.stdout.write(result["card"])
     if dry_run:
-        err.print(f"[bold green]plan[/] {len(result['files'])} files, {result['bytes']:,} bytes to {repo}@{revision}; nothing sent")
+        err.print(f"[bold green]plan[/] {plural(len(result['files']), 'file')}, {result['bytes']:,} bytes to {repo}@{revision}; nothing sent")
     else:
         _human(json_out).print(f"[bold green]published[/] {repo} commit {result['commit']}")
 
@@ -632,7 +636,7 @@ def verify_artifact(bundle: Annotated[Path, typer.Argument(help="A built bundle 
     result = _run(lambda: check_artifact(bundle))
     if json_out:
         _emit_json(result)
-    _human(json_out).print(f"[bold green]ok[/] {escape(str(bundle))}: {result['files']} files match the build record and manifest")
+    _human(json_out).print(f"[bold green]ok[/] {escape(str(bundle))}: {plural(result['files'], 'file')} match the build record and manifest")
 
 
 @app.command()
@@ -680,14 +684,19 @@ def inspect(bundle: Annotated[Path, typer.Argument(help="A built bundle folder: 
 def main() -> None:
     """The entry point. A signal raises ``interrupts.Interrupt`` (not a ``KeyboardInterrupt``, which
     click would turn into "Aborted!" and exit 1 outside ``_run``): one line and exit 130 everywhere."""
-    from .interrupts import Interrupt, install
+    from .interrupts import Interrupt, done, install
 
-    install()  # Ctrl-C and SIGTERM: exit 130 at any moment, nothing landed (interrupts)
+    install()  # Ctrl-C and SIGTERM: exit 130 at any moment, nothing landed (interrupts; entry installs them first)
     try:
         app()
     except Interrupt:
+        done()
         err.print("[bold red]interrupted[/]: nothing was written")
         sys.exit(130)
+    except SystemExit:
+        done()  # the command's own exit code stands
+        raise
+    done()
 
 
 if __name__ == "__main__":

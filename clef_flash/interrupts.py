@@ -18,7 +18,6 @@ cleanly, and then ``Interrupt`` is raised.
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 from typing import Any, Awaitable, Callable, TypeVar
@@ -37,16 +36,51 @@ class Interrupted(Exception):
     the runtime's context managers unwind normally (``KeyboardInterrupt`` would stop the loop)."""
 
 
+def _in_import(frame) -> bool:
+    """Whether the signal came while a module was being imported: raising there leaves it half
+    initialised (a native one, torch or the Core AI runtime, can then abort the process at exit)."""
+    depth = 0
+    while frame is not None and depth < 400:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
 def _on_signal(signum, frame) -> None:
     _flag.set()
-    if not _deferring[0]:
+    if not _deferring[0] and not _in_import(frame):
         raise Interrupt()
+    # deferred: the next safe point (a log line, a progress tick, a runtime boundary, a landing
+    # step) raises it
 
 
 def install() -> None:
-    """The handlers for this process (the CLI's main thread)."""
+    """The handlers for this process (the CLI's main thread). A signal that lands in a ``__del__``
+    or a callback is not printed as "Exception ignored": the flag keeps it, and the next landing
+    step or runtime boundary acts on it."""
+    import sys
+
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    if getattr(sys.unraisablehook, "_clef_interrupts", False):
+        return
+    previous = sys.unraisablehook
+
+    def unraisable(info) -> None:
+        if isinstance(info.exc_value, Interrupt):
+            return
+        previous(info)
+
+    unraisable._clef_interrupts = True  # type: ignore[attr-defined]
+    sys.unraisablehook = unraisable
+
+
+def done() -> None:
+    """The command has finished (what it wrote is whole): a signal from now on changes nothing,
+    and the interpreter's teardown must not die of it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def interrupted() -> bool:
@@ -71,6 +105,8 @@ def clear() -> None:
 
 def run_async(make: Callable[[], Awaitable[T]]) -> T:
     """``asyncio.run(make())`` with signals deferred until the runtime's calls have returned."""
+    import asyncio
+
     check_interrupted()
     _deferring[0] += 1
     try:
@@ -86,6 +122,8 @@ def run_async(make: Callable[[], Awaitable[T]]) -> T:
 async def gather_all(*aws: Awaitable[T]) -> list[T]:
     """``asyncio.gather`` that waits for every call before raising the first error: no call is left
     in flight when the loop closes."""
+    import asyncio
+
     out = await asyncio.gather(*aws, return_exceptions=True)
     for x in out:
         if isinstance(x, Interrupted):

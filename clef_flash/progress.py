@@ -72,10 +72,15 @@ def counting(call: Callable[..., Awaitable[T]], tick: Callable[[int], None]) -> 
 
     from .interrupts import refuse_if_interrupted
 
-    async def wrapped(*args, **kwargs) -> T:
+    async def wrapped(*args, **kwargs) -> T:  # noqa: D401
         refuse_if_interrupted()  # no runtime call starts after Ctrl-C (interrupts.run_async)
         out = await call(*args, **kwargs)
         tick(1)
         return out
 
     return wrapped
+
+
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``1 record``, ``2 records``: counts in messages read right."""
+    return f"{n:,} {noun if n == 1 else (many or noun + 's')}"

@@ -72,8 +72,10 @@ def native_stderr():
     failed = False
     try:
         yield
-    except BaseException:
-        failed = True
+    except BaseException as exc:
+        from .interrupts import Interrupt
+
+        failed = not isinstance(exc, (Interrupt, KeyboardInterrupt))  # Ctrl-C is one line, not the runtime's
         raise
     finally:
         if swap:

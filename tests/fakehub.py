@@ -143,7 +143,8 @@ class FakeHubRepos:
     ``snapshot_download`` use, and a token check. Commits are all-or-nothing, like the Hub's.
 
     ``faults``: ``reset-upload`` (every LFS PUT is cut mid-body), ``reset-commit`` (the commit POST
-    is cut before it applies). ``commits(repo)`` lists a repo's commit ids on ``main``, oldest first.
+    is cut before it applies), ``500-paths-info`` (the read-back's file listing fails after the commit
+    landed). ``commits(repo)`` lists a repo's commit ids on ``main``, oldest first.
     Run ``python -m tests.fakehub --serve`` to serve it on a free loopback port (``make check``).
     """
 
@@ -217,6 +218,9 @@ class FakeHubRepos:
                     return self._send(200, {"transfer": "basic", "objects": objs})
                 m = re.match(r"^/api/models/([^/]+/[^/]+)/paths-info/(.+)$", path)
                 if m:
+                    if "500-paths-info" in hub.faults:  # the read-back after a commit fails
+                        self._body()
+                        return self._send(500, "Internal Error", error="ServerError")
                     files = hub.files(*m.groups())
                     if files is None:
                         return self._send(404, "Invalid rev id", error="RevisionNotFound")

@@ -272,3 +272,20 @@ def test_connection_dropped_mid_upload_leaves_no_commit_and_the_rerun_lands(dist
         r = _cli(["publish", dist, "--repo", REPO, "--json"], hub)
         assert r.returncode == 0, r.stderr[-2000:]
         assert len(hub.commits(REPO)) == 2 and json.loads(r.stdout)["commit"] == hub.commits(REPO)[-1]
+
+
+def test_a_failed_read_back_says_the_commit_is_on_the_hub(dist):
+    """The commit landed, reading it back failed: the error names that commit and says it is on the
+    Hub, not "nothing was committed"; no publish record is written."""
+    from .fakehub import FakeHubRepos
+
+    with FakeHubRepos() as hub:
+        hub.faults.add("500-paths-info")
+        r = _cli(["publish", dist, "--repo", REPO], hub)
+        assert r.returncode == 6, r.stderr[-2000:]
+        lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+        commit = hub.commits(REPO)[-1]
+        assert len(hub.commits(REPO)) == 2, "the commit landed"
+        assert len(lines) == 1 and f"commit {commit} is on the Hub" in lines[0], r.stderr[-2000:]
+        assert "nothing was committed" not in r.stderr and "Traceback" not in r.stderr
+        assert not (dist / "publish-record.json").exists()

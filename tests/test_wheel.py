@@ -29,6 +29,8 @@ def test_wheel_installs_and_works_outside_the_checkout(tmp_path, author_code):
                  "clef_flash/_data/conversion/requests.jsonl"):
         assert data in names, data
     assert not [n for n in names if n.endswith("joint_schema_model.py")]  # the author's code never ships
+    modules = {str(f.relative_to(ROOT)) for f in (ROOT / "clef_flash").rglob("*.py") if "_data" not in f.parts}
+    assert modules <= set(names), sorted(modules - set(names))  # every folder of the package ships (pyproject's list)
     print(f"\nwheel {wheel.name}: {wheel.stat().st_size:,} bytes, {len(names)} files")
 
     # a fresh environment: the wheel installed on its own, the heavy dependencies reused from ours

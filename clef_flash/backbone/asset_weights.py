@@ -27,6 +27,7 @@ import numpy as np
 from ..errors import IntegrityError
 from ..formats.mlirb import Blob, BytecodeError, blob_sha256, blobs
 from .weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
+from ..progress import plural
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side
 # the fp32 form is hashed for tensors up to FOLD_MAX_VALUES values: the compiler folds the cast of
@@ -60,7 +61,7 @@ class WeightsReport:
 
     def checks(self) -> list[tuple[str, bool, str]]:
         forms = {f: sum(1 for v in self.matched.values() if v == f) for f in ("fp16", "fp32")}
-        detail = (f"{len(self.matched)}/{self.tensors} tensors ({self.fp16_bytes:,} fp16 bytes; {forms['fp16']} as fp16, "
+        detail = (f"{len(self.matched)}/{plural(self.tensors, 'tensor')} ({self.fp16_bytes:,} fp16 bytes; {forms['fp16']} as fp16, "
                   f"{forms['fp32']} folded to fp32); {self.blobs} blobs, {self.other_blobs} other constants "
                   f"({self.other_bytes:,} bytes); {self.one_d} 1-D tensors folded, left to the numeric check")
         if self.missing:
@@ -130,5 +131,5 @@ def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: boo
                            one_d=sum(1 for t in infos.values() if len(t.shape) < 2), blobs=len(have),
                            other_blobs=len(other), other_bytes=sum(b.size for b in other),
                            fp16_bytes=sum(int(np.prod(t.shape)) * 2 for t in big), seconds=time.perf_counter() - t0)
-    log(f"weights: {len(matched)}/{len(big)} tensors found in main.mlirb in {report.seconds:.1f} s")
+    log(f"weights: {len(matched)}/{plural(len(big), 'tensor')} found in main.mlirb in {report.seconds:.1f} s")
     return report

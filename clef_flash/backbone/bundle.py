@@ -12,6 +12,7 @@ from ..digest import sha256_file
 from ..errors import IntegrityError
 from .contract import FUNCTION
 from .files import TOKENIZER_DIR
+from ..progress import plural
 
 
 def check_files(bundle: Path):
@@ -36,7 +37,7 @@ def check_files(bundle: Path):
         if not f.is_file() or sha256_file(f) != want:
             raise IntegrityError(f"{f}: missing or its sha256 differs from the manifest's")
     checks = [("main.mlirb sha256 = manifest", True, digest[:16]), ("main.hash = sha256(main.mlirb)", True, "ok"),
-              ("tokenizer files = manifest", True, f"{len(m.tokenizer)} files")]
+              ("tokenizer files = manifest", True, f"{plural(len(m.tokenizer), 'file')}")]
     return m, asset, checks
 
 

@@ -26,6 +26,7 @@ from typing import Callable
 
 from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, input_shapes
 from .weights import release_freed_memory
+from ..progress import plural
 
 STATE_DTYPES = {"fp32": "fp32", "fp16": "fp16"}  # compute -> the states' storage dtype
 
@@ -191,7 +192,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
         raise ToolchainError(f"export of the backbone failed: {type(exc).__name__}: {first}") from exc
     del ep, module, tensors
     t0 = time.perf_counter()
-    log(f"saving {asset_dir.name}" + (f", {len(made.streamed)} tensors converted into main.mlirb" if made.streamed else ""))
+    log(f"saving {asset_dir.name}" + (f", {plural(len(made.streamed), 'tensor')} converted into main.mlirb" if made.streamed else ""))
     fill = None
     if made.streamed:
         fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(made.streamed[tag][0]))

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..bundle import check_output_path, output_lock, staged_dir
 from ..errors import UsageError
+from ..progress import plural
 
 # Qwen3.5-9B's text configuration (SOURCE: the release's config.json text_config)
 TEXT_9B: dict[str, Any] = {
@@ -145,7 +146,7 @@ def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, a
         weight_map = {}
         for i, names in enumerate(shards, 1):
             shard = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            log(f"writing {shard}: {len(names)} tensors")
+            log(f"writing {shard}: {plural(len(names), 'tensor')}")
             _write_shard(tmp / shard, names, tensors, rng)
             weight_map.update({n: shard for n in names})
         total = sum(int(np.prod(s)) * 2 for s in tensors.values())

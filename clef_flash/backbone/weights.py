@@ -31,6 +31,7 @@ import numpy as np
 
 from ..errors import IntegrityError
 from ..sources.safetensors import read_header, shard_files
+from ..progress import plural
 
 _ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4}
 _BLOCK_BYTES = 32 << 20  # rows converted at a time: the anonymous memory this stage needs
@@ -178,7 +179,7 @@ class Fp16Weights:
                 at += -(-n * 2 // _ALIGN) * _ALIGN
         finally:
             os.close(fd)
-        log(f"{len(infos)} tensors, {self.fp16_bytes:,} fp16 bytes laid out"
+        log(f"{plural(len(infos), 'tensor')}, {self.fp16_bytes:,} fp16 bytes laid out"
             + (f" ({len(self.streamed)} streamed into the asset when it is written)" if streamed else ""))
 
     def stream(self, name: str, block_bytes: int = _BLOCK_BYTES):

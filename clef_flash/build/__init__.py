@@ -11,10 +11,13 @@ at all, and a failed gate lands nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from pathlib import Path
 from types import ModuleType
 
 from ..bundle import atomic_write_json, output_lock, staged_dir
+from ..errors import ClefError
 from ..layout import RECORD_FILE
 from . import backbone, head
 from .config import BuildConfig, BuildResult, Plan, bundle_name
@@ -22,6 +25,19 @@ from .config import BuildConfig, BuildResult, Plan, bundle_name
 MODELS: dict[str, ModuleType] = {m.MODEL: m for m in (head, backbone)}
 
 __all__ = ["MODELS", "BuildConfig", "BuildResult", "Plan", "build", "bundle_name", "plan", "steps"]
+
+
+@contextlib.contextmanager
+def _named_as(staged: Path, final: Path):
+    """An error from inside the staged bundle names the bundle being built, not the temporary
+    folder that is about to vanish."""
+    try:
+        yield
+    except ClefError as exc:
+        text = str(exc)
+        if str(staged) in text:
+            raise type(exc)(text.replace(str(staged), str(final))) from None
+        raise
 
 
 def steps(recipe) -> ModuleType:
@@ -44,7 +60,7 @@ def build(cfg: BuildConfig, log=lambda msg: None) -> BuildResult:
     seconds = {"plan": time.perf_counter() - t_start}
     if cfg.dry_run:
         return BuildResult(bundle=p.bundle, manifest=None, record={}, plan=p.info, seconds=seconds)
-    with output_lock(p.bundle), staged_dir(p.bundle, cfg.overwrite) as tmp:
+    with output_lock(p.bundle), staged_dir(p.bundle, cfg.overwrite) as tmp, _named_as(tmp, p.bundle):
         t0 = time.perf_counter()
         made = s.export(p, tmp, log)
         seconds["export"] = time.perf_counter() - t0

@@ -31,6 +31,7 @@ from ..backbone.weights import locate, scratch_bytes, shard_files
 
 from .config import BuildConfig, Made, Plan, bundle_name
 from .process import run_export
+from ..progress import plural
 
 MODEL = "backbone"
 SHIPS_LM_HEAD_TABLE = True  # a release with the backbone is the whole model: the host's lexical table ships too
@@ -134,7 +135,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
         found = {**p.files, **hashes.result()}
         p.files = {n: found[n] for n in read_files(source)}  # the plan's order
         p.info["files"] = p.files
-        log(f"{len(p.deferred)} shards matched their pins (hashed beside the export; "
+        log(f"{plural(len(p.deferred), 'shard')} matched their pins (hashed beside the export; "
             f"{time.perf_counter() - t0:.1f} s waited)")
     tok_dir = tmp / TOKENIZER_DIR
     tok_dir.mkdir()

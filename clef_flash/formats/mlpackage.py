@@ -41,6 +41,7 @@ from ..head import contract
 from ..digest import tree_bytes
 from ..errors import IntegrityError, ToolchainError
 from ..manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file, pads
+from ..progress import plural
 
 FORMAT = "mlpackage"
 SUFFIX = ".mlpackage"
@@ -743,7 +744,7 @@ def check_weights(info: PackageInfo, weights: str, params: dict[str, np.ndarray]
     stored = sum(int(np.prod(p.shape)) for n, v in params.items() for label, p in _pieces(n, v) if label in found)
     stored *= np.dtype(storage).itemsize
     return [
-        ("every author weight stored", not missing, f"{len(found)} tensors" if not missing else f"missing: {missing[:3]}"),
+        ("every author weight stored", not missing, f"{plural(len(found), 'tensor')}" if not missing else f"missing: {missing[:3]}"),
         ("each weight stored once", not twice, "shared by all functions" if not twice else f"twice: {twice[:3]}"),
         (f"weights stored {'fp16' if weights == 'fp16w32' else 'fp32'}", wrong_dtype == 0,
          f"{stored:,} bytes of weights in a {info.weight_bytes:,}-byte weight.bin" if wrong_dtype == 0

@@ -67,8 +67,9 @@ def pins_for(bundle: Path, manifest: Any, gate: ModuleType, source: Path | None,
     published = load_pins(default_pins())
     if hf_id == published.hf_id and revision == published.revision:
         return default_pins()
-    if revision is None:
-        raise UsageError(f"{bundle}: built from the local release {hf_id}; pass its folder with --source")
+    if revision is None or hf_id.startswith("synthetic/"):
+        what = "a synthetic snapshot" if hf_id.startswith("synthetic/") else "the local release"
+        raise UsageError(f"{bundle}: built from {what} {hf_id}; pass its folder with --source")
     raise UsageError(f"{bundle}: built from {hf_id}@{revision[:12]}; pass --pins for that commit "
                      f"(clef-export pin {hf_id} --revision {revision}) or --source with its folder")
 

@@ -32,6 +32,7 @@ from ..errors import IntegrityError, UsageError
 from ..report import Report
 from ..backbone.bundle import check_files, descriptor_checks
 from ..interrupts import run_async
+from ..progress import plural
 
 # Bars on the hidden rows, relative to the record's largest |value| (Qwen3.5's final-norm rows carry
 # a few outlier dimensions, so a bar relative to each element would be meaningless near zero).
@@ -103,7 +104,7 @@ class BackboneReport(Report):
         for r in self.results:
             inside = self._inside(r)
             if r.arm == "main" and not inside:
-                out.append(f"record {r.name} ({r.tokens} tokens): rel max |d| {r.rel_max_abs_d:.3g} (bar "
+                out.append(f"record {r.name} ({plural(r.tokens, 'token')}): rel max |d| {r.rel_max_abs_d:.3g} (bar "
                            f"{bars['rel_max_abs_d'][0]:g}), min row cosine {r.min_row_cosine:.6f} (bar {bars['min_row_cosine'][0]:g})")
             if r.arm != "main" and inside:
                 out.append(f"red arm {r.arm} on record {r.name}: rel max |d| {r.rel_max_abs_d:.3g} passes the bar "
@@ -138,10 +139,10 @@ class BackboneReport(Report):
     def headline(self) -> str:
         main = [r for r in self.results if r.arm == "main"]
         if not main:
-            return f"{sum(ok for _, ok, _ in self.checks)}/{len(self.checks)} checks of the saved asset passed"
+            return f"{sum(ok for _, ok, _ in self.checks)}/{plural(len(self.checks), 'check')} of the saved asset passed"
         worst = max(r.rel_max_abs_d for r in main)
         red = [r for r in self.results if r.arm != "main"]
-        return (f"{len(main)} records, rel max |d| {worst:.2e} (bar {self.bars()['rel_max_abs_d']:g}); red arms "
+        return (f"{plural(len(main), 'record')}, rel max |d| {worst:.2e} (bar {self.bars()['rel_max_abs_d']:g}); red arms "
                 + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red))
 
     def summary(self) -> dict[str, Any]:
@@ -150,31 +151,39 @@ class BackboneReport(Report):
                 "records": {r.name: {"tokens": r.tokens, "calls": r.calls, "rel_max_abs_d": r.rel_max_abs_d,
                                      "min_row_cosine": r.min_row_cosine} for r in main},
                 "red": {r.arm: r.rel_max_abs_d for r in self.results if r.arm != "main"},
-                "red_record": next((r.name for r in self.results if r.arm != "main"), None),
+                "red_records": {r.arm: r.name for r in self.results if r.arm != "main"},
                 "bars": self.bars(),
                 "checks": {n: ok for n, ok, _ in self.checks}, "failures": self.failures, "notes": self.notes}
 
 
 def record_lengths(chunk: int, context: int, long_record: int | None) -> dict[str, int]:
-    """1, S - 1, S, S + 1, three chunks (or as many as the context holds), and one near the
-    context. A ``long_record`` above the context is refused, never clamped."""
+    """1, S - 1, S, S + 1, three chunks (two where the context holds no more), and one near the
+    context. A ``long_record`` above the context is refused, never clamped. ``red_records`` says
+    which of them each red arm runs on."""
     if long_record is not None and long_record > context:
         raise UsageError(f"long record of {long_record} tokens exceeds the backbone's context of {context}")
-    longest = long_record or context - chunk + 1
-    out = {"one": 1, "chunk-1": chunk - 1, "chunk": chunk, "chunk+1": chunk + 1,
-           "three-chunks": min(3 * chunk - chunk // 2, context), "near-context": longest}
+    out = {"one": 1, "chunk-1": chunk - 1, "chunk": chunk, "chunk+1": chunk + 1}
+    if 3 * chunk - chunk // 2 < context:
+        out["three-chunks"] = 3 * chunk - chunk // 2
+    else:
+        out["two-chunks"] = 2 * chunk - chunk // 2
+    out["near-context"] = long_record or context - chunk + 1
     return {k: v for k, v in out.items() if 1 <= v <= context}
 
 
-def red_record(lengths: dict[str, int], chunk: int) -> str:
-    """The record the red arms run on: three chunks where the context holds them, else the longest
-    record that spans two or more chunks (the state arm needs a state carried across a boundary)."""
-    if lengths.get("three-chunks", 0) > 2 * chunk:
-        return "three-chunks"
-    spanning = [k for k, v in lengths.items() if v > chunk]
-    if not spanning:
+def red_records(lengths: dict[str, int], chunk: int, context: int) -> dict[str, str]:
+    """The record each red arm runs on. ``state_reset`` needs a state carried across a chunk
+    boundary: the multi-chunk record. ``positions_late`` shifts each call's whole position ramp by
+    one, so its record's padded chunks must leave one position of the context free: the longest
+    record that does (the same three-chunk record at any context over three chunks)."""
+    from ..backbone.contract import chunks_for
+
+    state = next((n for n in ("three-chunks", "two-chunks") if lengths.get(n, 0) > chunk), None)
+    if state is None:
         raise UsageError(f"no record spans two chunks of {chunk} within the context: the state arm cannot run")
-    return max(spanning, key=lambda k: lengths[k])
+    room = [n for n, v in lengths.items() if chunks_for(v, chunk) * chunk < context]
+    late = state if state in room else max(room, key=lambda n: (lengths[n], n))
+    return {"state_reset": state, "positions_late": late}
 
 
 def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
@@ -207,7 +216,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     source = resolve_source(cfg.source, pins)
     if cfg.checked is None or any(cfg.checked.get(n) != d for n, d in m.source.files.items()):
         verify_files(source, pins, cfg.pins_path, sorted(m.source.files))
-    checks.append(("manifest source = release files", True, f"{len(m.source.files)} files, sha256 = pins"))
+    checks.append(("manifest source = release files", True, f"{plural(len(m.source.files), 'file')}, sha256 = pins"))
     text = release_config(source)
     compute = m.export.compute
     chunk, context = m.language.prefill_chunk, m.language.max_context
@@ -243,13 +252,15 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         gc.collect()
         state_dtype = "fp32" if compute == "fp32" else "fp16"
 
-        red_on = red_record(lengths, chunk) if cfg.red else None
+        red_on = red_records(lengths, chunk, context) if cfg.red else {}
         plan = [(name, arm) for name in records
-                for arm in ["main"] + (list(RED_ARMS) if name == red_on else [])]
+                for arm in ["main"] + [a for a in RED_ARMS if red_on.get(a) == name]]
 
         async def run_all():
             out = []
             calls = sum(host.chunks_for(len(records[name]), chunk) for name, _ in plan)
+            # one record at a time: the slice's measured memory (a second record in flight would add
+            # its states and activations) is worth more than the 10 % it would save at tiny width
             async with runner(asset, text.state_shapes(context), state_dtype, cfg.scratch) as (call, new_states):
                 with progress("gate: main, chunk by chunk", calls, "calls") as tick:
                     counted = counting(call, tick)
@@ -267,7 +278,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
             rel, cos = _compare(got, wants[name])
             results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),
                                         rel_max_abs_d=rel, min_row_cosine=cos, arm=arm))
-            log(f"{name} ({len(records[name])} tokens){'' if arm == 'main' else ' red ' + arm}: rel max |d| {rel:.2e}, "
+            log(f"{name} ({plural(len(records[name]), 'token')}){'' if arm == 'main' else ' red ' + arm}: rel max |d| {rel:.2e}, "
                 f"min row cosine {cos:.7f} ({secs:.1f} s)")
     transcript = {"bundle": str(cfg.bundle), "compute": compute, "source": {"hf_id": pins.hf_id, "revision": pins.revision},
                   "bars": tolerances(compute), "seed": cfg.seed, "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],

@@ -27,6 +27,7 @@ from ..head.host import head_inputs, question_probs
 from ..manifest import pads
 from ..head.records import LEXICAL_VOCAB, Record, author_logits, load_recorded, random_records
 from ..interrupts import gather_all, run_async
+from ..progress import plural
 
 TOLERANCES: dict[str, tuple[float, str]] = {
     "max_abs_dp": (1e-5, "per-question fp32 softmax; the publisher measured 1.8e-7 on its GPU, and fp16 storage "
@@ -80,7 +81,7 @@ class FunctionResult:
             out.append(f"{self.function}: max |d logit| {self.max_abs_dlogit:.3g} > {TOLERANCES['max_abs_dlogit'][0]:g}")
         disagree = self.questions - self.argmax_agree - len(self.near_ties)
         if disagree:
-            out.append(f"{self.function}: argmax differs on {disagree}/{self.questions} questions (beyond near-ties)")
+            out.append(f"{self.function}: argmax differs on {disagree}/{plural(self.questions, 'question')} (beyond near-ties)")
         if self.padding_max_abs != 0.0:
             out.append(f"{self.function}: padding logits not exactly 0 (max |x| {self.padding_max_abs:.3g})")
         if not self.rerun_identical:
@@ -131,7 +132,7 @@ class Report(BaseReport):
 
     def headline(self) -> str:
         if not any(r.records for r in self.results):
-            return f"{sum(ok for _, ok, _ in self.checks)}/{len(self.checks)} checks of the saved asset passed"
+            return f"{sum(ok for _, ok, _ in self.checks)}/{plural(len(self.checks), 'check')} of the saved asset passed"
         ties = sum(len(r.near_ties) for r in self.results)
         return (f"max |d p| {max(r.max_abs_dp for r in self.results):.2e}, max |d logit| "
                 f"{max(r.max_abs_dlogit for r in self.results):.2e}" + (f", {ties} near-tie{'s' if ties != 1 else ''}" if ties else ""))
@@ -175,6 +176,23 @@ def red_arrays(arrays: dict[str, np.ndarray], arm: str) -> dict[str, np.ndarray]
     else:
         raise ValueError(arm)
     return a
+
+
+def argmax_verdicts(p_got: list[np.ndarray], p_ref: list[np.ndarray], bar: float) -> tuple[int, list[dict[str, Any]]]:
+    """Questions whose argmax agrees, and the near-ties: a disagreement where the reference's top
+    two options are closer than ``bar`` (the gate's own |d p| bar), so their order is within the
+    noise the bar allows. A disagreement with a wider margin is neither: it fails the gate."""
+    agree, ties = 0, []
+    for q_i, (got, ref) in enumerate(zip(p_got, p_ref, strict=True)):
+        if int(np.argmax(got)) == int(np.argmax(ref)):
+            agree += 1
+            continue
+        top = np.sort(ref)[::-1]
+        margin = float(top[0] - top[1]) if len(top) > 1 else float("inf")
+        if margin < bar:
+            ties.append({"question": q_i, "margin": margin, "reference_argmax": int(np.argmax(ref)),
+                         "asset_argmax": int(np.argmax(got))})
+    return agree, ties
 
 
 def _max_dp(pa: list[np.ndarray], pb: list[np.ndarray]) -> float:
@@ -228,16 +246,8 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
             p_ref = [torch.from_numpy(x).softmax(-1).numpy() for x in ref]
             dlogit = float(np.abs(got[: hi.options] - ref_flat).max())
             dp = _max_dp(p_got, p_ref)
-            agree = 0
-            for q_i, (a, b) in enumerate(zip(p_got, p_ref, strict=True)):
-                if int(np.argmax(a)) == int(np.argmax(b)):
-                    agree += 1
-                    continue
-                top = np.sort(b)[::-1]
-                margin = float(top[0] - top[1]) if len(top) > 1 else float("inf")
-                if margin < TOLERANCES["max_abs_dp"][0]:  # the order is inside the bar's own noise
-                    res.near_ties.append({"record": r_i, "question": q_i, "margin": margin,
-                                          "reference_argmax": int(np.argmax(b)), "asset_argmax": int(np.argmax(a))})
+            agree, ties = argmax_verdicts(p_got, p_ref, TOLERANCES["max_abs_dp"][0])
+            res.near_ties.extend({"record": r_i, **tie} for tie in ties)
             pad = float(np.abs(got[hi.options :]).max()) if hi.options < len(got) else 0.0
             res.records += 1
             res.questions += len(p_ref)
@@ -256,7 +266,7 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
                     entry["red"] = dict(res.red)
             res.per_record.append(entry)
         res.seconds = time.perf_counter() - t0
-        log(f"{name}: {res.records} records, max |d p| {res.max_abs_dp:.2e}, max |d logit| {res.max_abs_dlogit:.2e}")
+        log(f"{name}: {plural(res.records, 'record')}, max |d p| {res.max_abs_dp:.2e}, max |d logit| {res.max_abs_dlogit:.2e}")
         results.append(res)
     return results
 
@@ -288,7 +298,7 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
     source = resolve_source(cfg.source, pins)
     if cfg.checked is None or any(cfg.checked.get(n) != pins.files.get(n) for n in HEAD_FILES):
         require_verified(source, pins)  # the build's plan checked them in this process: not hashed twice
-    checks.append(("source files = pins", True, f"{len(pins.files)} files"))
+    checks.append(("source files = pins", True, f"{plural(len(pins.files), 'file')}"))
     checks.append(("manifest source = files loaded", True, "ok"))
 
     why_not = fmt.cannot_run()

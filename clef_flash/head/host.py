@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .contract import BUCKETS, INPUT_ORDER, O_PAD, Q_PAD
+from ..progress import plural
 
 
 class HostInputError(ValueError):
@@ -75,7 +76,7 @@ def check_fits(length: int, questions: Sequence[QuestionLike], *, q_pad: int = Q
     if not questions:
         problems.append("record has no questions")
     if len(questions) > q_pad:
-        problems.append(f"record has {len(questions)} questions; at most {q_pad} fit")
+        problems.append(f"record has {plural(len(questions), 'question')}; at most {q_pad} fit")
     n_options = sum(len(q.option_spans) for q in questions)
     if n_options > o_pad:
         problems.append(f"record has {n_options} options; at most {o_pad} fit")

@@ -20,6 +20,7 @@ from ..digest import tree_files
 from ..errors import IntegrityError, ToolchainError, UsageError
 from ..layout import LICENSE_FILES, SUMS_FILE
 from ..recipe import AnyRecipe
+from ..progress import plural
 
 HOST_DIR = "host"  # the lm_head table and its sidecar, in a release with a backbone
 
@@ -86,7 +87,7 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
         files = tree_files(tmp)
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(files.items()))
         atomic_write_bytes(tmp / SUMS_FILE, lines.encode())
-    log(f"release in {dist}: {len(files)} files, {SUMS_FILE}")
+    log(f"release in {dist}: {plural(len(files), 'file')}, {SUMS_FILE}")
     return {"dist": str(dist), "files": sorted(files), "aot": do_aot, "bundles": bundles,
             "lm_head_table": None if table is None else f"{HOST_DIR}/{Path(table['table']).name}",
             "licence": licence}

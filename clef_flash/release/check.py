@@ -37,6 +37,7 @@ import numpy as np
 
 from ..errors import IntegrityError, ToolchainError, UsageError
 from ..interrupts import gather_all, run_async
+from ..progress import plural
 
 # Bars on the probabilities before the author's rounding, by the reference's dtype; data, each
 # with its reason, written into the transcript.
@@ -428,7 +429,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
                     questions = _shift_spans(questions, len(seen.ids))
                 seen_by.append((len(entries) - 1, seen, questions, bucket))
         ref_seconds = time.perf_counter() - t_ref
-        log(f"reference: {len(seen_by)} requests answered in {ref_seconds:.1f} s; "
+        log(f"reference: {plural(len(seen_by), 'request')} answered in {ref_seconds:.1f} s; "
             f"{len(entries) - len(seen_by)} do not fit")
 
         # the hidden rows: the reference's, or the backbone asset's on the same token ids
@@ -438,7 +439,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
             for (i, seen, _, _), h in zip(seen_by, hiddens, strict=True):
                 entries[i]["backbone_rel_max_abs_d"] = float(np.abs(h - seen.hidden).max()
                                                              / max(float(np.abs(seen.hidden).max()), 1e-30))
-            log(f"backbone: {len(seen_by)} records in {time.perf_counter() - t_bb:.1f} s")
+            log(f"backbone: {plural(len(seen_by), 'record')} in {time.perf_counter() - t_bb:.1f} s")
         else:
             hiddens = [seen.hidden for _, seen, _, _ in seen_by]
         bb_seconds = time.perf_counter() - t_bb

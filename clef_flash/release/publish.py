@@ -23,6 +23,7 @@ from .card import BACKBONE_KIND, HEAD_KIND, Dist, model_card, read_dist
 from ..digest import sha256_bytes, sha256_file
 from ..errors import IntegrityError, NumericError, RemoteError, UsageError
 from ..layout import SUMS_FILE
+from ..progress import plural
 
 CARD = "README.md"
 PUBLISH_RECORD = "publish-record.json"  # written into dist/ after the upload; never uploaded
@@ -107,8 +108,9 @@ def plan(cfg: PublishConfig) -> tuple[Dist, str, dict[str, Any]]:
 
 
 @contextlib.contextmanager
-def remote_errors(repo: str, what: str):
-    """huggingface_hub's failures as one line naming the repo; the Hub commits all or nothing."""
+def remote_errors(repo: str, what: str, state: str = "nothing was committed"):
+    """huggingface_hub's failures as one line naming the repo and what is on the Hub now (``state``:
+    before the commit, nothing, since the Hub commits all or nothing; after it, that commit)."""
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     from ..sources.fetch import _cause
@@ -120,11 +122,11 @@ def remote_errors(repo: str, what: str):
     except HfHubHTTPError as exc:
         code = getattr(getattr(exc, "response", None), "status_code", "?")
         hint = "; the token was refused" if code in (401, 403) else ""
-        raise RemoteError(f"{repo}: {what} failed (HTTP {code}{hint}); nothing was committed") from None
+        raise RemoteError(f"{repo}: {what} failed (HTTP {code}{hint}); {state}") from None
     except (IntegrityError, UsageError):
         raise
     except Exception as exc:  # connection dropped, timeout, malformed answer
-        raise RemoteError(f"{repo}: {what} failed ({_cause(exc)}); nothing was committed; run publish again") from None
+        raise RemoteError(f"{repo}: {what} failed ({_cause(exc)}); {state}") from None
 
 
 def publish(cfg: PublishConfig, log=lambda msg: None) -> dict[str, Any]:
@@ -143,26 +145,30 @@ def publish(cfg: PublishConfig, log=lambda msg: None) -> dict[str, Any]:
 
         disable_progress_bars()
     api = HfApi()
-    with remote_errors(cfg.repo, "creating the repository"):
+    with remote_errors(cfg.repo, "creating the repository", "nothing was committed; run publish again"):
         url = api.create_repo(cfg.repo, private=cfg.private, exist_ok=True, repo_type="model")
         if cfg.revision != "main":
             api.create_branch(cfg.repo, branch=cfg.revision, exist_ok=True)
-    log(f"{url}: uploading {len(out['files'])} files ({out['bytes']:,} bytes) in one commit")
+    log(f"{url}: uploading {plural(len(out['files']), 'file')} ({out['bytes']:,} bytes) in one commit")
     ops = [CommitOperationAdd(path_in_repo=n, path_or_fileobj=str(d.folder / n)) for n in sorted(d.sums)]
     ops.append(CommitOperationAdd(path_in_repo=SUMS_FILE, path_or_fileobj=str(d.folder / SUMS_FILE)))
     ops.append(CommitOperationAdd(path_in_repo=CARD, path_or_fileobj=card.encode()))
-    with remote_errors(cfg.repo, "the upload"):
+    with remote_errors(cfg.repo, "the upload", "nothing was committed; run publish again"):
         info = api.create_commit(cfg.repo, operations=ops, revision=cfg.revision,
                                  commit_message=f"clef-export publish: {', '.join(b.name for b in d.bundles)}",
-                                 commit_description=f"{len(ops)} files, {out['bytes']:,} bytes; {SUMS_FILE} lists them")
+                                 commit_description=f"{plural(len(ops), 'file')}, {out['bytes']:,} bytes; {SUMS_FILE} lists them")
     commit = info.oid
     log(f"committed {commit}; reading it back")
     want = {f["path"]: f["sha256"] for f in out["files"]}
-    with remote_errors(cfg.repo, f"reading back commit {commit[:12]}"), tempfile.TemporaryDirectory(prefix="clef-publish-") as tmp:
+    on_hub = (f"commit {commit} is on the Hub ({cfg.revision}) but was not proven, and {PUBLISH_RECORD} was not "
+              f"written; check it with `clef-export publish` again (a new commit) or revert it on the Hub")
+    with remote_errors(cfg.repo, f"reading back commit {commit[:12]}", on_hub), \
+            tempfile.TemporaryDirectory(prefix="clef-publish-") as tmp:
         for name in (SUMS_FILE, CARD):
             got = sha256_file(Path(hf_hub_download(cfg.repo, name, revision=commit, cache_dir=tmp)))
             if got != want[name]:
-                raise IntegrityError(f"{cfg.repo}@{commit[:12]}/{name}: sha256 {got[:12]}… is not what was sent ({want[name][:12]}…)")
+                raise IntegrityError(f"{cfg.repo}@{commit[:12]}/{name}: sha256 {got[:12]}… is not what was sent "
+                                     f"({want[name][:12]}…); {on_hub}")
         remote = {f.path: f for f in api.get_paths_info(cfg.repo, sorted(want), revision=commit)}
     from ..sources.pinning import git_blob_sha1
 
@@ -172,9 +178,10 @@ def publish(cfg: PublishConfig, log=lambda msg: None) -> dict[str, Any]:
         same = f is not None and (lfs == digest if lfs else f.blob_id == git_blob_sha1((d.folder / name).read_bytes()
                                                                                          if name != CARD else card.encode()))
         if not same:
-            raise IntegrityError(f"{cfg.repo}@{commit[:12]}/{name}: {'missing' if f is None else 'differs from what was sent'}")
+            raise IntegrityError(f"{cfg.repo}@{commit[:12]}/{name}: {'missing' if f is None else 'differs from what was sent'}; "
+                                 f"{on_hub}")
     record = {"repo": cfg.repo, "revision": cfg.revision, "commit": commit, "commit_url": info.commit_url,
               "files": want, "check": out["check"]}
     atomic_write_bytes(d.folder / PUBLISH_RECORD, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
-    log(f"proved: {len(want)} files at {commit} match what was sent; {PUBLISH_RECORD} written")
+    log(f"proved: {plural(len(want), 'file')} at {commit} match what was sent; {PUBLISH_RECORD} written")
     return {**out, "commit": commit, "commit_url": info.commit_url, "record": str(d.folder / PUBLISH_RECORD)}

@@ -30,6 +30,7 @@ from ..errors import IntegrityError, UsageError
 from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR as LM_HEAD
 from ..layout import LICENSE_FILES
 from .pins import CODE_FILE, HEAD_FILES, HEX40, Pins
+from ..progress import plural
 
 PROVENANCE_FILE = "CLEF_FINETUNE.json"
 BACKBONE_CONFIG = "config.json"
@@ -206,7 +207,7 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
         for f in (BACKBONE_CONFIG, *TOKENIZER_FILES, *LICENSE_FILES):  # small git files: blob sha1 checked
             if f in infos:
                 files[f] = _lfs_sha256(infos[f]) or sha256_bytes(small(f))
-    log(f"pinned {len(files)} files of {where}")
+    log(f"pinned {plural(len(files), 'file')} of {where}")
     pins = Pins(hf_id=hf_id, revision=revision, origin="hub", name=name, files=dict(sorted(files.items())),
                 trusted_author_sha256=trust_author if trust_author and trust_author == files[CODE_FILE] else None,
                 note=f"pinned by clef-export pin from the Hub's metadata at {revision}")
