@@ -150,3 +150,19 @@ def test_the_model_is_chosen_in_one_place_per_stage():
             if needle in text:
                 offenders.append(f"{path.relative_to(PKG)}: {needle}")
     assert not offenders, offenders
+
+
+def test_no_package_file_is_ignored_by_git():
+    """An ignore rule meant for the output folder (``build/``) once hid ``clef_flash/build/``: new
+    files there were never committed and a clean clone could not import the package."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = [str(p.relative_to(ROOT)) for p in PKG.rglob("*.py") if "__pycache__" not in p.parts]
+    r = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1 and not r.stdout.strip(), f"ignored by .gitignore: {r.stdout.split()}"
+    # and the check sees an ignore rule when there is one
+    r = subprocess.run(["git", "check-ignore", "--no-index", "build/x.py"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0

@@ -1,0 +1,68 @@
+"""What a build is asked (``BuildConfig``), what its plan found (``Plan``: pins loaded once, the
+resolved source, the checked digests, the model's own findings), and what it made (``BuildResult``).
+The plan is made once and handed to the export, the manifest and the gate: nothing is re-derived."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    recipe: Any  # recipe.Recipe or recipe.BackboneRecipe: its ``model`` picks the build steps
+    recipe_path: Path
+    source: Path | None
+    pins_path: Path
+    out: Path
+    overwrite: bool = False
+    dry_run: bool = False
+    verify: bool = True
+    verify_records: int | None = None  # head only: records per function for the gate
+    format: str | None = None  # --format as given (None: the recipe's)
+    aot: bool = False
+    name: str | None = None  # the release's name in the bundle's name (default: the pins')
+
+
+@dataclass
+class Plan:
+    cfg: BuildConfig
+    pins: Any  # sources.pins.Pins
+    source: Path
+    bundle: Path
+    files: dict[str, str]  # file -> sha256, checked (or, for ``deferred``, checked beside the export)
+    info: dict[str, Any]  # what --dry-run prints
+    deferred: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # the model's own findings (config, tensors)
+
+
+@dataclass
+class Made:
+    """What a model's export step put in the staged bundle."""
+
+    manifest: BaseModel
+    record: dict[str, Any]
+    seconds: dict[str, float]  # the export's own stages
+
+
+@dataclass
+class BuildResult:
+    bundle: Path
+    manifest: BaseModel | None
+    record: dict[str, Any]
+    plan: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # plan, export, gate, total: the whole command
+
+
+def bundle_name(recipe: Any, pins, name: str | None = None) -> str:
+    """The recipe's name for this release: ``--name``, else the pins' release name."""
+    release = name or pins.release_name
+    if not re.fullmatch(r"[A-Za-z0-9_]+", release):
+        raise UsageError(f"release name {release!r}: letters, digits and _ only")
+    return recipe.bundle_name(release)
