@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .errors import OutputError, UsageError
+from .errors import IntegrityError, OutputError, UsageError
 from .interrupts import check_interrupted
 
 _TMP_TAG = ".tmp-"
@@ -54,6 +54,20 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.unlink(tmp)
         raise
     _fsync_dir(path.parent)
+
+
+def read_json(path: Path, error: type = IntegrityError, hint: str = "") -> Any:
+    """A JSON file's value, or one typed error naming the file: missing (with ``hint``), a folder,
+    or not JSON. Every reader of a release's, a bundle's or a dist's JSON files goes through here."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise error(f"{path}: missing" + (f"; {hint}" if hint else "")) from None
+    except IsADirectoryError:
+        raise error(f"{path}: is a folder, not a JSON file") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise error(f"{path}: not JSON ({exc})") from None
 
 
 def dumps_json(obj: Any, sort_keys: bool = False) -> bytes:

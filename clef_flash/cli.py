@@ -640,20 +640,12 @@ def verify_artifact(bundle: Annotated[Path, typer.Argument(help="A built bundle 
 
 
 @app.command()
-def schema(format: Annotated[Optional[str], typer.Option("--format", help=FORMAT_HELP)] = None,
+def schema(format: Annotated[Optional[str], typer.Option("--format", help=FORMAT_HELP + " (a head's; a backbone is aimodel)")] = None,
            kind: Annotated[str, typer.Option("--kind", help="head (decision-head) or backbone (decision-backbone).")] = "head") -> None:
-    """Print the JSON Schema of metadata.json (manifests/metadata*.schema.json hold them)."""
-    from .formats import DEFAULT_FORMAT, json_schema
+    """Print the JSON Schema of metadata.json for a head or a backbone (manifests/metadata*.schema.json hold them)."""
+    from .gate import model_named
 
-    if kind not in ("head", "backbone"):
-        err.print(f"[bold red]error:[/] --kind must be head or backbone, got {kind!r}")
-        raise typer.Exit(2)
-    if kind == "backbone":
-        from .backbone.manifest import json_schema as backbone_schema
-
-        _emit_json(backbone_schema())
-        return
-    _emit_json(_run(lambda: json_schema(format or DEFAULT_FORMAT)))
+    _emit_json(_run(lambda: model_named(kind).schema(format)))
 
 
 @app.command()

@@ -129,7 +129,8 @@ def test_every_backend_has_the_same_functions():
 
 @pytest.mark.parametrize("registry, names", [
     (build.MODELS, ("MODEL", "SHIPS_LM_HEAD_TABLE", "compiles", "refuse", "plan", "export", "export_job", "gate", "summary")),
-    (gate.MODELS, ("KIND", "MODEL", "OPTIONS", "FIXED_RECORDS", "manifest_of", "source_of", "run", "inspect", "asset_facts")),
+    (gate.MODELS, ("KIND", "MODEL", "OPTIONS", "FIXED_RECORDS", "manifest_of", "source_of", "run", "inspect", "asset_facts",
+                    "schema")),
 ])
 def test_every_model_of_a_stage_has_the_same_names(registry, names):
     assert set(registry) and len(registry) >= 2
@@ -146,7 +147,7 @@ def test_the_model_is_chosen_in_one_place_per_stage():
     for path in sorted([*PKG.glob("cli.py"), *(PKG / "build").glob("*.py"), *(PKG / "gate").glob("*.py"),
                         *(PKG / "release").glob("*.py")]):
         text = path.read_text()
-        for needle in ("is_backbone", "_is_backbone_bundle", '== "decision-backbone"', "== KIND"):
+        for needle in ("is_backbone", "_is_backbone_bundle", '== "decision-backbone"', "== KIND", '== "backbone"', '== "head"'):
             if needle in text:
                 offenders.append(f"{path.relative_to(PKG)}: {needle}")
     assert not offenders, offenders

@@ -421,7 +421,7 @@ def long_context(release, tmp_path_factory) -> Path:
     return tmp / "pipe_release_decode_fp16w32_pf64"
 
 
-@pytest.mark.parametrize("delay", [0.2, 3.0])
+@pytest.mark.parametrize("delay", [2.0])
 def test_ctrl_c_in_the_backbone_gate_is_exit_130_and_one_line(long_context, release, delay):
     """In the runtime's load and calls (after the reference's rows): exit 130, one line, no
     traceback, no native crash (was: SIGILL / SIGABRT from the Swift runtime)."""

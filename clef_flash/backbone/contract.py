@@ -9,11 +9,11 @@ updated in place; output ``hidden [1, S, hidden_size]``, the final-norm rows (no
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bundle import read_json
 from ..errors import IntegrityError
 
 FUNCTION = "main"
@@ -141,12 +141,7 @@ def check_config(cfg: TextConfig) -> list[str]:
 
 def read_text_config(folder: Path, tokenizer_pad: int | None = None) -> TextConfig:
     path = Path(folder) / "config.json"
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: missing; a release folder holds its backbone's config.json") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{path}: not JSON ({exc})") from None
+    raw = read_json(path, hint="a release folder holds its backbone's config.json")
     return text_config(raw, str(path), tokenizer_pad)
 
 

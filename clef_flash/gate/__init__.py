@@ -36,6 +36,14 @@ class GateOptions:
     red: bool = False
 
 
+def model_named(name: str) -> ModuleType:
+    """The gate of the model called ``name`` (``head``, ``backbone``): ``schema --kind``."""
+    for gate in MODELS.values():
+        if gate.MODEL == name:
+            return gate
+    raise UsageError(f"--kind must be one of {', '.join(g.MODEL for g in MODELS.values())}, got {name!r}")
+
+
 def kind_of(bundle: Path) -> ModuleType:
     """The gate of the bundle's model, from its manifest's ``kind``."""
     meta = Path(bundle) / MANIFEST_FILE

@@ -334,3 +334,12 @@ def inspect(bundle: Path) -> dict[str, Any]:
 def asset_facts(bundle: Path) -> tuple[str, str, str]:
     m, asset, _ = check_files(bundle)
     return m.name, asset.suffix[1:], m.export.main_mlirb.sha256
+
+
+def schema(fmt: str | None = None) -> dict[str, Any]:
+    from ..backbone.manifest import json_schema
+    from ..formats import aimodel
+
+    if fmt is not None and fmt != aimodel.FORMAT:
+        raise UsageError(f"--format {fmt}: a backbone bundle is a Core AI asset only")
+    return json_schema()

@@ -220,7 +220,6 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
                     jobs.append((name, r_i, "rerun", (rec, hi)))
                     if cfg.red:
                         jobs.extend((name, r_i, arm, (rec, hi)) for arm in RED_ARMS)
-        t0 = time.perf_counter()
         from ..progress import counting, progress
 
         with progress(f"gate: {', '.join(n for n, _ in funcs)}", len(jobs), "asset calls") as tick:
@@ -228,8 +227,7 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
             outs = await gather_all(*[
                 counted(name, hi.arrays if arm in ("main", "rerun") else red_arrays(hi.arrays, arm))
                 for name, _, arm, (_, hi) in jobs
-            ])
-        log(f"{len(jobs)} asset calls in {time.perf_counter() - t0:.1f} s")
+            ])  # the progress line says how many calls and how long: no second line for it
 
     results: list[FunctionResult] = []
     by_key = {(name, r_i, arm): out for (name, r_i, arm, _), out in zip(jobs, outs, strict=True)}
@@ -382,3 +380,10 @@ def asset_facts(bundle: Path) -> tuple[str, str, str]:
 
     manifest, fmt, _asset, _checks = check_bundle(bundle)
     return manifest.name, fmt.FORMAT, fmt.asset_digest(manifest)
+
+
+def schema(fmt: str | None = None) -> dict[str, Any]:
+    """The JSON Schema of a head bundle's ``metadata.json`` in format ``fmt`` (default: Core AI)."""
+    from ..formats import DEFAULT_FORMAT, json_schema
+
+    return json_schema(fmt or DEFAULT_FORMAT)

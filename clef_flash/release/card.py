@@ -9,11 +9,11 @@ record, so a card can be checked against them (``tests/test_publish.py`` does).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bundle import read_json
 from ..errors import IntegrityError
 from ..layout import LICENSE_FILES, SUMS_FILE
 
@@ -45,12 +45,7 @@ class Dist:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: missing") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise IntegrityError(f"{path}: not JSON ({exc})") from None
+    return read_json(path)
 
 
 def read_sums(dist: Path) -> dict[str, str]:

@@ -439,7 +439,6 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
             for (i, seen, _, _), h in zip(seen_by, hiddens, strict=True):
                 entries[i]["backbone_rel_max_abs_d"] = float(np.abs(h - seen.hidden).max()
                                                              / max(float(np.abs(seen.hidden).max()), 1e-30))
-            log(f"backbone: {plural(len(seen_by), 'record')} in {time.perf_counter() - t_bb:.1f} s")
         else:
             hiddens = [seen.hidden for _, seen, _, _ in seen_by]
         bb_seconds = time.perf_counter() - t_bb
@@ -454,7 +453,6 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
             warnings.simplefilter("ignore")
             logits = run_async(lambda: _run_all(fmt.runner, asset, [(names[hi.bucket], hi) for _, hi, _ in jobs]))
         run_seconds = time.perf_counter() - t_run
-        log(f"shipped: {len(jobs)} asset calls in {run_seconds:.1f} s")
 
     failures: list[str] = []
     outcome: Counter[str] = Counter()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import struct
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .author import read_verified
-from ..bundle import atomic_write_json, check_output_path, output_lock, staged_files
+from ..bundle import atomic_write_json, check_free_space, check_output_path, output_lock, staged_files
 from ..errors import IntegrityError, NumericError, OutputError, UsageError
 from ..digest import sha256_file
 from .pins import Pins
@@ -99,15 +98,6 @@ def _header(path: Path) -> tuple[list[int], str, int]:
     return shape, dtype, base
 
 
-def check_free_space(folder: Path, need: int) -> None:
-    """Fail before reading a block when the table cannot fit where it goes."""
-    probe = next(p for p in [folder, *folder.parents] if p.exists())
-    free = shutil.disk_usage(probe).free
-    if free < need:
-        raise OutputError(f"{folder / TABLE_FILE}: not enough free space for the table "
-                          f"(needs about {need:,} bytes, {free:,} free in {probe})")
-
-
 def lm_head_table(source: Path | None, pins: Pins, pins_path: Path, out: Path, *, block_rows: int = 2048,
                   sample_rows: int = 64, overwrite: bool = False, log=lambda msg: None) -> dict[str, Any]:
     """``lm_head.weight`` of the pinned checkpoint as ``out/lm_head_fp16.bin`` with its sidecar.
@@ -147,7 +137,7 @@ def lm_head_table(source: Path | None, pins: Pins, pins_path: Path, out: Path, *
     t_hash = time.perf_counter() - t0
     (rows, hidden), dtype, base = _header(shard_path)
     size = rows * hidden * 2
-    check_free_space(out, size + (64 << 10))  # the table, its sidecar and a folder entry or two
+    check_free_space(out / TABLE_FILE, size + (64 << 10), "the table")  # the table, its sidecar, a folder entry or two
 
     digest = hashlib.sha256()
     t0 = time.perf_counter()
