@@ -27,7 +27,9 @@ from ..backbone.contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER
 from ..backbone.contract import weight_names
 from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface, Language, TensorSpec
 from ..backbone.files import TOKENIZER_DIR, BackgroundHashes, check_pinned, read_files, release_config, verify_files
-from ..backbone.weights import locate, scratch_bytes, shard_files
+from ..backbone.weights import locate, scratch_bytes
+from ..gate.backbone import BackboneVerifyConfig, tolerances, verify_backbone
+from ..sources.safetensors import shard_files
 
 from .config import BuildConfig, Made, Plan, bundle_name
 from .process import run_export
@@ -155,8 +157,6 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
     seconds["total"] = round(sum(seconds.values()), 3)
     fp16 = int(timings["weight_fp16_bytes"])
-    from ..gate.backbone import tolerances
-
     manifest = BackboneManifest(
         metadata_version=METADATA_VERSION, kind=KIND, name=p.bundle.name, assets={"main": asset_dir.name},
         language=Language(prefill_chunk=recipe.chunk, max_context=recipe.context, vocab_size=text.vocab_size,
@@ -183,16 +183,16 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
 
 
 def gate(p: Plan, tmp: Path, log=lambda m: None):
-    """The backbone's gate on the staged bundle (its compiled copy on the output's disk), with the
-    digests the plan and the export checked (not hashed again)."""
-    from ..gate.backbone import BackboneVerifyConfig, verify_backbone
-
+    """The backbone's gate on the staged bundle (its compiled copy on the output's disk), with what
+    the plan found: the digests it and the export checked, the configuration, the located tensors
+    (nothing read or hashed again)."""
     recipe = p.cfg.recipe
     log("verifying the saved backbone against transformers' text model")
     return verify_backbone(BackboneVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path,
                                                 seed=recipe.verify.seed, long_record=recipe.long_record,
                                                 numeric_max_parameters=recipe.verify.numeric_max_parameters,
-                                                scratch=tmp, pins=p.pins, checked=p.files), log=log)
+                                                scratch=tmp, pins=p.pins, checked=p.files, text=p.extra["text"],
+                                                located=p.extra["infos"]), log=log)
 
 
 def summary(manifest) -> str:

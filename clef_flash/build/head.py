@@ -10,6 +10,7 @@ from ..bundle import atomic_write_json, check_free_space, check_output_path
 from ..digest import sha256_file, tree_files
 from ..errors import UsageError
 from ..formats import backend
+from ..gate.head import VerifyConfig, verify_bundle
 from ..head import contract
 from ..layout import MANIFEST_FILE
 from ..manifest import Seconds, common_fields
@@ -84,8 +85,6 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
 
 def gate(p: Plan, tmp: Path, log=lambda m: None):
     """The head's gate on the staged bundle, with the digests the plan checked (not hashed again)."""
-    from ..gate.head import VerifyConfig, verify_bundle
-
     recipe = p.cfg.recipe
     log("verifying the saved asset against the author's head")
     return verify_bundle(VerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path,

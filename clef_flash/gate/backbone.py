@@ -76,6 +76,8 @@ class BackboneVerifyConfig:
     scratch: Path | None = None  # where the runtime's compiled copy goes (build: the staged bundle, on the output's disk)
     pins: Any = None  # the build's plan: pins already loaded
     checked: dict[str, str] | None = None  # the build's plan: file -> sha256 already checked in this process
+    text: Any = None  # the build's plan: the release's text configuration
+    located: dict[str, Any] | None = None  # the build's plan: every weight located in the shards
 
 
 @dataclass
@@ -217,10 +219,10 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     if cfg.checked is None or any(cfg.checked.get(n) != d for n, d in m.source.files.items()):
         verify_files(source, pins, cfg.pins_path, sorted(m.source.files))
     checks.append(("manifest source = release files", True, f"{plural(len(m.source.files), 'file')}, sha256 = pins"))
-    text = release_config(source)
+    text = cfg.text or release_config(source)
     compute = m.export.compute
     chunk, context = m.language.prefill_chunk, m.language.max_context
-    infos = locate(source, weight_names(text))
+    infos = cfg.located or locate(source, weight_names(text))
     params = sum(int(np.prod(t.shape)) for t in infos.values())
     limit = cfg.numeric_max_parameters if cfg.numeric_max_parameters is not None else NUMERIC_MAX_PARAMETERS[compute]
     numeric = params <= limit
