@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench bench-backbone bench-identity bench-9b artifact fetch check backbone wheel clean
+.PHONY: setup build test test-fast verify bench bench-backbone bench-identity bench-9b bench-slice-int8 crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -71,6 +71,15 @@ $(TINY_OUT)/tiny_release_decode_%_pf64/metadata.json: $(TINY_REL)/pins.json $(SO
 
 backbone: setup $(TINY_BACKBONES)
 
+# the compressed backbones of the tiny release (issue 29): int8 (fp16 compute), int8w32 (fp32
+# compute, provable), int4 (experimental), each gated in two parts; a weight plan for the release's
+# own weights; check-release through the int8w32 asset against the published port's bar (0.02)
+COMPRESSED := int8w32 int8 int4
+TINY_COMPRESSED := $(foreach c,$(COMPRESSED),$(TINY_OUT)/tiny_release_decode_$(c)_pf64/metadata.json)
+compressed: setup $(TINY_BUNDLE)/metadata.json $(TINY_COMPRESSED)
+	$(BIN)/clef-export plan-weights $(TINY_REL) --recipe conversion/backbone_pf64_int8.toml --out $(TINY_OUT)/plan-int8.json --overwrite
+	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_OUT)/tiny_release_decode_int8w32_pf64 --transcript $(TINY_OUT)/check-release-int8w32.json
+
 # the whole model on the tiny release: the head alone, then tokenizer -> backbone asset -> head asset
 # (fp32 compute on every request; fp16 compute, slow on the Linux CPU runtime, on the first four),
 # the red arm that must fail (exit 4), the backbone's gate, the whole Mac release in one dist/, and its
@@ -121,6 +130,22 @@ bench-identity: setup $(SLICE)/pins.json
 # free disk and 20 minutes. Not part of `make test` or `make bench`.
 bench-9b: setup $(SLICE)/pins.json
 	$(BIN)/python benchmarks/bench_9b.py --slice $(SLICE)
+
+# the int8w32 asset of the real-width slice through gate (a) (the runtime against torch eager on its
+# own dequantized weights) and (b) (the quantization against the release), and plan-weights at the
+# slice (wall and memory, watched): benchmarks/results/slice-int8-latest.json
+bench-slice-int8: setup $(SLICE)/pins.json
+	$(BIN)/python benchmarks/bench_slice_int8.py --slice $(SLICE)
+
+# our int8 / int4 per-block codes against coreai-opt's own quantizer on the same weights (coreai-opt
+# is not a dependency: installed with --no-deps into .cache/coreai-opt, torchao beside it)
+COREAI_OPT := .cache/coreai-opt
+$(COREAI_OPT)/.installed: | $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps --target $(COREAI_OPT) coreai-opt==0.3.0 torchao==0.18.0
+	touch $@
+
+crosscheck-coreai-opt: setup $(TINY_REL)/pins.json $(COREAI_OPT)/.installed
+	PYTHONPATH=$(COREAI_OPT) $(BIN)/python benchmarks/crosscheck_coreai_opt.py --tiny $(TINY_REL)
 
 # the installable wheel (recipes, pins and schemas inside; never the author's code) -> wheelhouse/
 wheel: setup

@@ -377,6 +377,39 @@ def build(
             human.print(f"[yellow]not run here[/]: {escape(note)}")
 
 
+@app.command("plan-weights")
+def plan_weights_cmd(
+    release: Annotated[Path, typer.Argument(help="The release folder (clef-finetune's layout) whose weights the plan measures.")],
+    recipe: Annotated[Path, typer.Option("--recipe", help="A compressed backbone recipe (conversion/backbone_pf64_int8.toml, _int8w32, _int4).")],
+    out: Annotated[Path, typer.Option("--out", help="The plan file to write (JSON; a recipe names it with plan = \"...\").")],
+    pins: PinsOpt = None,
+    requests: Annotated[Optional[Path], typer.Option("--requests", help="JSONL of SystemOne request bodies: the calibration records (default: the project's set, conversion/requests.jsonl).")] = None,
+    budget_dp: Annotated[Optional[float], typer.Option("--budget-dp", help="The end-to-end bar the chosen set meets: max |dp| over every option (default: the recipe's plan_budget_dp, 0.02).")] = None,
+    records: Annotated[Optional[int], typer.Option("--records", help="At most this many calibration records (default: every request).")] = None,
+    overwrite: OverwriteOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Measure each decoder layer's sensitivity to the recipe's compression on the release's own weights, and choose the smallest set kept fp16 that meets the end-to-end budget."""
+    from .build.plan_weights import PlanConfig, plan_weights
+    from .recipe import load_recipe
+
+    def go():
+        cfg = PlanConfig(release=release, recipe=load_recipe(recipe), recipe_path=recipe, pins_path=_pins(pins, release),
+                         out=out, requests=requests, budget_dp=budget_dp, records=records, overwrite=overwrite)
+        return plan_weights(cfg, log=_log)
+
+    plan = _run(go)
+    human = _human(json_out)
+    if json_out:
+        _emit_json(plan.model_dump(mode="json"))
+    last = next(t for t in plan.trials if t.fp16_layers == plan.chosen) if plan.chosen or plan.trials else None
+    b = plan.bytes
+    human.print(f"[bold green]planned[/] {escape(str(out))}: keep {plural(len(plan.chosen), 'layer')} fp16 "
+                f"({plan.chosen or 'none'}) of {len(plan.ranking)} ranked; "
+                + (f"max |dp| {last.max_abs_dp:.4g} <= {plan.budget_dp:g}; " if last else "")
+                + f"weights {b['chosen']:,} bytes (all {plan.scheme.weights} {b['all_compressed']:,}, fp16 {b['fp16']:,})")
+
+
 def _human(json_out: bool) -> Console:
     """Where the human-readable result goes: stdout, or stderr when stdout carries --json."""
     return err if json_out else results
@@ -641,10 +674,15 @@ def verify_artifact(bundle: Annotated[Path, typer.Argument(help="A built bundle 
 
 @app.command()
 def schema(format: Annotated[Optional[str], typer.Option("--format", help=FORMAT_HELP + " (a head's; a backbone is aimodel)")] = None,
-           kind: Annotated[str, typer.Option("--kind", help="head (decision-head) or backbone (decision-backbone).")] = "head") -> None:
-    """Print the JSON Schema of metadata.json for a head or a backbone (manifests/metadata*.schema.json hold them)."""
+           kind: Annotated[str, typer.Option("--kind", help="head (decision-head), backbone (decision-backbone), or weight-plan (plan-weights' output).")] = "head") -> None:
+    """Print the JSON Schema of metadata.json for a head or a backbone, or of a weight plan (manifests/*.schema.json hold them)."""
     from .gate import model_named
 
+    if kind == "weight-plan":
+        from .backbone.plan import json_schema
+
+        _emit_json(json_schema())
+        return
     _emit_json(_run(lambda: model_named(kind).schema(format)))
 
 

@@ -114,8 +114,16 @@ class BackboneRecipe(BaseModel):
     name: str = Field(pattern=r"^(\{release\}|[A-Za-z0-9])[A-Za-z0-9_.-]*$")
     chunk: int = Field(default=64, ge=2, le=4096)
     context: int = Field(default=4096, ge=2)
-    weights: Literal["fp16"] = "fp16"
+    weights: Literal["fp16", "int8", "int4"] = "fp16"
     compute: Literal["fp16", "fp32"] = "fp16"  # the asset is always a Core AI one
+    # int8 / int4: symmetric codes per block of ``block`` values along each linear's input axis,
+    # fp16 scales (``backbone.quantize``); the decoder layers named here stay fp16: a list, or
+    # "auto" (``plan-weights`` chooses them for the release's own weights, at build time)
+    block: int = Field(default=32, ge=2, le=4096)
+    fp16_layers: tuple[int, ...] | Literal["auto"] = ()
+    # a plan written by ``plan-weights`` (relative to the recipe's folder): its chosen layers stay fp16
+    plan: str | None = None
+    plan_budget_dp: float = Field(default=0.02, gt=0, le=1)  # "auto": the end-to-end bar the plan meets
     verify: BackboneVerifyPlan = BackboneVerifyPlan()
 
     _plain_name = field_validator("name")(Recipe._plain_name.__func__)  # type: ignore[attr-defined]
@@ -136,6 +144,32 @@ class BackboneRecipe(BaseModel):
         if self.verify.long_record is not None and self.verify.long_record > self.context:
             raise ValueError(f"verify.long_record {self.verify.long_record} exceeds the context {self.context}")
         return self
+
+    @model_validator(mode="after")
+    def _scheme_is_whole(self):
+        if self.weights == "fp16" and (self.fp16_layers or self.plan):
+            raise ValueError("fp16_layers and plan are for compressed weights (weights = \"int8\" or \"int4\")")
+        if self.block % 2:
+            raise ValueError(f"block {self.block} must be even (int4 codes are packed two a byte)")
+        if isinstance(self.fp16_layers, tuple) and any(i < 0 for i in self.fp16_layers):
+            raise ValueError(f"fp16_layers must be layer indices (0 and up), got {list(self.fp16_layers)}")
+        if self.plan and self.fp16_layers:
+            raise ValueError("name either fp16_layers or a plan, not both")
+        return self
+
+    @property
+    def scheme(self):
+        """The compression scheme (``backbone.quantize.Scheme``), None for fp16 weights."""
+        if self.weights == "fp16":
+            return None
+        from .backbone.quantize import Scheme
+
+        return Scheme(bits=int(self.weights[3:]), block=self.block)
+
+    @property
+    def experimental(self) -> bool:
+        """int4 is labelled experimental until a real model's gate says otherwise."""
+        return self.weights == "int4"
 
     def bundle_name(self, release: str) -> str:
         return self.name.replace(RELEASE, release)

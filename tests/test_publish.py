@@ -114,7 +114,7 @@ def check_card_against_records(card: str, dist: Path, transcript: dict) -> int:
                        "questions": s["questions"], "argmax equal": s["argmax_equal"], "answers equal": s["answers_equal"],
                        "near ties": s["near_ties"], "max \\|d p\\|": s["max_abs_dp"], "bar (max)": s["bar"],
                        "mean \\|d p\\|": s["mean_abs_dp"], "bar (mean)": s["mean_bar"],
-                       "backbone compute": s["backbone"]["compute"],
+                       "backbone weights": s["backbone"]["weights"], "backbone compute": s["backbone"]["compute"],
                        "backbone hidden rows, relative max \\|d\\|": s["backbone"]["hidden_rel_max_abs_d"]}
                 assert _close(row[1], key[row[0]]), row
                 n += 1

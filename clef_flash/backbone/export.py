@@ -22,7 +22,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, input_shapes
 from .weights import release_freed_memory
@@ -83,50 +83,71 @@ class Resources:
 
 
 @contextlib.contextmanager
-def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None):
-    """While converting, every fp16 constant of two or more dimensions becomes a resource that
-    points at the tensor's own memory (our mapped scratch file) instead of the converter's temporary
-    file copy; a tensor in ``streamed`` (by data pointer: (weight name, bytes)) becomes an empty
-    resource that ``mlirb.inflate`` fills. Private coreai-torch API
-    (``TorchConverter._constant_from_tensor``), pinned with coreai-torch 0.4.3;
-    ``tests/test_backbone.py`` holds the bytes equal to the converter's own path."""
+def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None, packed: dict[int, Any] | None = None):
+    """While converting, every fp16 or int8 constant of two or more dimensions becomes a resource
+    that points at the tensor's own memory (our mapped scratch file) instead of the converter's
+    temporary file copy; a tensor in ``streamed`` (by data pointer: (weight name, bytes)) becomes an
+    empty resource that ``mlirb.inflate`` fills. ``packed``: int4 codes by the data pointer of their
+    unpacked int8 view -> the view of their packed bytes; the converter's packing step
+    (``IntxTensor.from_unpacked``, which would read and pack every value) takes that view instead,
+    and the packed constant is declared by a placeholder too. Private coreai-torch API
+    (``TorchConverter._constant_from_tensor``, ``IntxTensor``), pinned with coreai-torch 0.4.3;
+    ``tests/test_backbone.py`` and ``tests/test_compressed.py`` hold the bytes equal to the
+    converter's own path."""
     import numpy as np
     import torch
     from coreai._compiler.dialects import coreai
     from coreai._compiler.ir import DenseResourceElementsAttr
     from coreai_torch import TorchConverter
     from coreai_torch import converter as tc
+    from coreai_torch._compression import _intx
 
     original = TorchConverter._constant_from_tensor
+    original_unpacked = _intx.IntxTensor.from_unpacked.__func__
     made = Resources()
     streamed = streamed or {}
+    packed = packed or {}
+
+    def from_unpacked(cls, unpacked, nbits):
+        view = packed.get(unpacked.data_ptr()) if isinstance(unpacked, torch.Tensor) and nbits == 4 else None
+        if view is None:
+            return original_unpacked(cls, unpacked, nbits)
+        return cls(view, unpacked.shape, nbits)  # the packed bytes' own view: nothing read
 
     def from_buffer(self, tensor):
-        plain = type(tensor) is torch.Tensor and not hasattr(tensor, "future_dtype")
-        if not (plain and tensor.dtype == torch.float16 and tensor.dim() >= 2 and tensor.is_contiguous()):
-            return original(self, tensor)
+        if hasattr(tensor, "elem") and isinstance(tensor, _intx.IntxTensor) and tensor.elem.data_ptr() in streamed:
+            key, dtype, raw = tensor.elem.data_ptr(), torch.int4, tensor.elem
+        else:
+            plain = type(tensor) is torch.Tensor and not hasattr(tensor, "future_dtype")
+            # every one a blob, small ones too (the converter would write those inline): the gate finds
+            # each compressed tensor's codes and scales among the blobs and reads them back
+            if not (plain and tensor.dtype in (torch.float16, torch.int8) and tensor.dim() >= 2 and tensor.is_contiguous()):
+                return original(self, tensor)
+            key, dtype, raw = tensor.data_ptr(), tensor.dtype, tensor
         made.count += 1
         name = f"clef_w{made.count}"  # a placeholder name: save renames every blob after its bytes
-        known = streamed.get(tensor.data_ptr())
-        if known is not None and known[1] == tensor.numel() * 2:
+        known = streamed.get(key)
+        if known is not None and known[1] == raw.numel() * raw.element_size():
             tag = PLACEHOLDER_TAG + struct.pack("<Q", made.count)  # filled when main.mlirb is written
-            data = np.frombuffer(tag, dtype=np.float16)
+            data = np.frombuffer(tag, dtype=np.uint8 if dtype == torch.int4 else raw.detach().numpy().dtype)
             made.streamed[tag] = known
         else:
-            data = tensor.detach().numpy()
+            data = raw.detach().numpy()
         attr = DenseResourceElementsAttr.get_from_buffer(
-            data, name, tc.get_tensor_type(tensor, self._location, dtype=torch.float16), alignment=RESOURCE_ALIGNMENT)
+            data, name, tc.get_tensor_type(tensor, self._location, dtype=dtype), alignment=RESOURCE_ALIGNMENT)
         return coreai.ConstantOp(value=attr).result
 
     TorchConverter._constant_from_tensor = from_buffer
+    _intx.IntxTensor.from_unpacked = classmethod(from_unpacked)
     try:
         yield made
     finally:
         TorchConverter._constant_from_tensor = original
+        _intx.IntxTensor.from_unpacked = classmethod(original_unpacked)
 
 
 def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = True,
-            streamed: dict[int, tuple[str, int]] | None = None):
+            streamed: dict[int, tuple[str, int]] | None = None, packed: dict[int, Any] | None = None):
     """The Core AI program, and what the converter was handed (``Resources``: the placeholders of the
     streamed tensors, which ``save`` fills); a streamed tensor it did not take is an error."""
     from coreai_torch import TorchConverter
@@ -134,12 +155,13 @@ def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = Tru
 
     from ..formats.aimodel import deterministic_naming
 
-    converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
-    converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
-                                   state_names=list(STATE_ORDER), entrypoint_name=FUNCTION)
     t0 = time.perf_counter()
+    # the hooks from the start: adding the program packs int4 codes (``inject_subbyte_tensors``)
     with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
-            (constants_from_buffers(streamed) if buffers else contextlib.nullcontext()) as hooked:
+            (constants_from_buffers(streamed, packed) if buffers else contextlib.nullcontext()) as hooked:
+        converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
+        converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
+                                       state_names=list(STATE_ORDER), entrypoint_name=FUNCTION)
         program = converter.to_coreai()
     made = hooked or Resources()
     strip_debug_info(program)  # source locations would embed this machine's paths
@@ -151,15 +173,23 @@ def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = Tru
     return program, made
 
 
+def _part(key: str) -> tuple[str, str]:
+    """A streamed placeholder's key -> (tensor, part): ``name`` (fp16), ``name#codes``, ``name#scales``."""
+    name, _, part = key.partition("#")
+    return name, part or "fp16"
+
+
 def export_job(job: dict, log: Callable[[str], None]) -> dict:
     """The worker's backbone job: weights mapped, graph traced, converted, saved; returns timings and
     sizes. Runs in the export worker (its memory goes back to the OS when it ends)."""
     import torch
 
     from ..formats.aimodel import import_toolchain, save
+    from ..formats.mlirb import MissingPlaceholders
     from ..errors import ToolchainError
     from .contract import check_contract, weight_names
     from .graph import DecoderChunk
+    from .quantize import Scheme
     from .weights import load_weights
 
     import_toolchain()
@@ -172,11 +202,28 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     # fp32 compute: tensors stored scaled by powers of two, so no weight is an fp16 subnormal (``weights``).
     # Large tensors are streamed: converted when main.mlirb is written, straight into it.
     buffers = job.get("buffers", True)  # False: the converter's own copies of every value (bench)
+    stream = job.get("stream", buffers)  # False: every value laid out before converting (tests)
+    quant = job.get("quantization")  # {"bits", "block", "tensors"}: a compressed recipe
+    scheme = Scheme(int(quant["bits"]), int(quant["block"])) if quant else None
     weights = load_weights(source, weight_names(cfg), asset_dir.parent, log, scaled=job["compute"] == "fp32",
-                           streamed=buffers)
+                           streamed=stream, scheme=scheme, compressed=quant["tensors"] if quant else ())
     tensors = weights.tensors()
-    module = DecoderChunk(cfg, ch, tensors, job["compute"], exponents=weights.exponents)
-    streamed = {tensors[n].data_ptr(): (n, tensors[n].numel() * 2) for n in weights.streamed}
+    quantized = weights.quantized()
+    module = DecoderChunk(cfg, ch, tensors, job["compute"], exponents=weights.exponents, quantized=quantized,
+                          bits=scheme.bits if scheme else 8)
+    streamed, packed = {}, {}
+    for n in weights.streamed:
+        if n in quantized:
+            codes, scales = quantized[n]
+            if scheme.bits == 4:
+                view = torch.from_numpy(weights.packed_codes(n))
+                packed[codes.data_ptr()] = view
+                streamed[view.data_ptr()] = (f"{n}#codes", view.numel())
+            else:
+                streamed[codes.data_ptr()] = (f"{n}#codes", codes.numel())
+            streamed[scales.data_ptr()] = (f"{n}#scales", scales.numel() * 2)
+        else:
+            streamed[tensors[n].data_ptr()] = (n, tensors[n].numel() * 2)
     release_freed_memory()
     t_weights = time.perf_counter() - t0
     state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
@@ -185,20 +232,25 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
         ep = trace(module, cfg, ch, state_dtype, log)
         t_trace = time.perf_counter() - t0
         t0 = time.perf_counter()
-        program, made = convert(ep, log, buffers=buffers, streamed=streamed)
+        program, made = convert(ep, log, buffers=buffers, streamed=streamed, packed=packed)
         t_convert = time.perf_counter() - t0
     except (ValueError, RuntimeError, TypeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise ToolchainError(f"export of the backbone failed: {type(exc).__name__}: {first}") from exc
-    del ep, module, tensors
+    del ep, module, tensors, quantized
     t0 = time.perf_counter()
     log(f"saving {asset_dir.name}" + (f", {plural(len(made.streamed), 'tensor')} converted into main.mlirb" if made.streamed else ""))
     fill = None
     if made.streamed:
-        fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(made.streamed[tag][0]))
-    save(program, asset_dir, job["description"], log, fill=fill)
+        fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(*_part(made.streamed[tag][0])))
+    try:
+        save(program, asset_dir, job["description"], log, fill=fill)
+    except MissingPlaceholders as exc:  # name the tensors, not the placeholders
+        lost = sorted(made.streamed[k][0] for k in exc.keys)
+        raise ToolchainError(f"{asset_dir}: the compiler folded or inlined {lost[0]}" + (f" (+{len(lost) - 1} more)" if len(lost) > 1 else "")
+                             + "; a streamed tensor's bytes would be lost") from None
     t_save = time.perf_counter() - t0
     fp16_bytes = weights.fp16_bytes
     weights.close()
     return {"weights": t_weights, "trace": t_trace, "convert": t_convert, "save": t_save,
-            "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k)}
+            "weight_fp16_bytes": fp16_bytes, "asset_weight_bytes": weights.asset_weight_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k)}

@@ -132,13 +132,20 @@ def delta_rule_chunk(q, k, v, beta, log_decay, state, consts: dict | None = None
 
 class DecoderChunk(torch.nn.Module):
     def __init__(self, cfg: TextConfig, chunking: Chunking, weights: dict[str, torch.Tensor], compute: str = "fp32",
-                 key_block: int = KEY_BLOCK, exponents: dict[str, int] | None = None) -> None:
+                 key_block: int = KEY_BLOCK, exponents: dict[str, int] | None = None,
+                 quantized: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None, bits: int = 8) -> None:
+        """``quantized``: name -> (int8 codes [out, in], fp16 scales [out, in / block]) for the tensors a
+        compressed recipe compresses (``quantize``); the graph reads each through coreai-torch's
+        blockwise dequantize op (``bits`` 4: the codes are int4 values held in int8, packed by the
+        converter), so ``main.mlirb`` keeps the codes and scales as they are."""
         super().__init__()
         if compute not in ("fp32", "fp16"):
             raise ValueError(f"compute must be fp32 or fp16, got {compute!r}")
         self.cfg, self.ch, self.compute, self.key_block = cfg, chunking, compute, key_block
         self.dtype = torch.float32 if compute == "fp32" else torch.float16
-        missing = [n for n in weight_names(cfg) if n not in weights]
+        quantized = dict(quantized or {})
+        self.bits = bits
+        missing = [n for n in weight_names(cfg) if n not in weights and n not in quantized]
         if missing:
             raise ValueError(f"weights lack {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
         # no copy of a memory-mapped tensor is made. Matrices are buffers (non-persistent): the trace
@@ -150,6 +157,15 @@ class DecoderChunk(torch.nn.Module):
         for i, name in enumerate(sorted(n for n, t in weights.items() if t.dim() >= 2)):
             self._buffer[name] = f"w{i}"
             self.register_buffer(f"w{i}", weights[name], persistent=False)
+        # the codes are persistent buffers: the converter takes integer codes from the state dict only
+        self._codes = {}
+        if quantized:
+            import coreai_torch._compression.custom_layers  # noqa: F401 (registers torch.ops.coreai.constexpr_blockwise_shift_scale)
+        for i, name in enumerate(sorted(quantized)):
+            codes, scales = quantized[name]
+            self._codes[name] = (f"q{i}", f"s{i}")
+            self.register_buffer(f"q{i}", codes, persistent=True)
+            self.register_buffer(f"s{i}", scales, persistent=True)
         # name -> k when the stored tensor is W * 2**k (``weights``: fp16 subnormals are flushed by the
         # runtime); what is computed from it is multiplied by 2**-k, exactly
         self.exponents = dict(exponents or {})
@@ -162,7 +178,14 @@ class DecoderChunk(torch.nn.Module):
         return getattr(self, self._buffer[name]) if name in self._buffer else self.w[name]
 
     def _mat(self, name: str) -> torch.Tensor:
-        """A stored weight as the compute reads it (an fp16 weight through a cast for fp32)."""
+        """A stored weight as the compute reads it (an fp16 weight through a cast for fp32; a compressed
+        one dequantized to fp16 by the blockwise op first)."""
+        if name in self._codes:
+            q, s = (getattr(self, b) for b in self._codes[name])
+            # the codes' dtype said, never inferred: the converter infers it from the values' range, and a
+            # streamed build's codes are zeros until main.mlirb is written (inferred int2: garbage)
+            w = torch.ops.coreai.constexpr_blockwise_shift_scale(q, s, None, None, torch.int4 if self.bits == 4 else torch.int8)
+            return w.to(self.dtype)
         return self._get(name).to(self.dtype)
 
     def _unscale(self, y: torch.Tensor, name: str) -> torch.Tensor:

@@ -51,8 +51,41 @@ class BackboneSource(Strict):
     origin: LocalOrigin | None = None
 
 
+class LayerWeights(Strict):
+    layer: int = Field(ge=0)
+    weights: Literal["fp16", "int8", "int4"]
+    tensors: int = Field(ge=0)  # 2-D tensors of the layer (its linears and conv1d)
+    bytes: int = Field(ge=0)  # what they occupy in main.mlirb: codes + scales, or fp16
+
+
+class PlanRef(Strict):
+    file: str  # the plan's file name, as the recipe or the build named it
+    sha256: str
+    budget_dp: float
+    chosen: list[int]  # the layers it keeps fp16
+
+
+class Compression(Strict):
+    """What was compressed and how, so a host and a reader can tell (``backbone.quantize``)."""
+    bits: Literal[4, 8]
+    block: int = Field(ge=2)  # values a scale covers, along each linear's input axis
+    symmetric: Literal[True] = True
+    scale_dtype: Literal["fp16"] = "fp16"
+    scale_floor: float  # no scale is smaller: the smallest normal fp16
+    rounding: Literal["half-to-even"] = "half-to-even"
+    op: str  # the Core AI op that dequantizes: output = fp16(scale * code)
+    experimental: bool
+    fp16_layers: list[int]
+    plan: PlanRef | None = None
+    compressed_tensors: int = Field(ge=0)
+    layers: list[LayerWeights]
+    other: dict[str, int]  # tensors kept fp16 outside the layers' linears (embedding, conv1d): tensors, bytes
+    implied_bytes: int = Field(ge=0)  # codes + scales + the fp16 remainder
+    mlirb_over_implied: float
+
+
 class BackboneExport(Strict):
-    weights: Literal["fp16"]
+    weights: Literal["fp16", "int8", "int4"]
     compute: Literal["fp16", "fp32"]
     aimodel_bytes: int = Field(ge=0)
     main_mlirb: FileDigest
@@ -60,6 +93,7 @@ class BackboneExport(Strict):
     mlirb_over_weights: float
     seconds: dict[str, float]
     tolerances: dict[str, dict[str, Any]]
+    compression: Compression | None = None  # int8 / int4 weights
 
 
 class BackboneManifest(Strict):

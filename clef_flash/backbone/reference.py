@@ -35,8 +35,10 @@ def _read(folder: Path, t: TensorInfo, dtype):
 class StreamedTextModel:
     """``rows(ids) -> hidden [T, H]`` fp32: transformers' text model, one layer in memory at a time."""
 
-    def __init__(self, source: Path, dtype=None) -> None:
-        """``dtype``: torch.float32 (the gate's) or torch.float64 (how far fp32 itself is from exact)."""
+    def __init__(self, source: Path, dtype=None, weights=None) -> None:
+        """``dtype``: torch.float32 (the gate's) or torch.float64 (how far fp32 itself is from exact).
+        ``weights``: name -> fp32 array or None, for tensors read from elsewhere than the release (a
+        compressed asset's own dequantized weights: ``asset_weights.dequantized``), one layer at a time."""
         import torch
 
         from ..sources.reference import import_reference
@@ -49,6 +51,7 @@ class StreamedTextModel:
         tf_logging.set_verbosity_error()
         self.source = Path(source)
         self.dtype = dtype or torch.float32
+        self.weights = weights
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = Qwen3_5Config.from_pretrained(self.source).text_config
@@ -70,8 +73,10 @@ class StreamedTextModel:
         for name, p in list(module.named_parameters()):
             owner, _, attr = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
-            target._parameters[attr] = torch.nn.Parameter(_read(self.source, self.infos[f"{LM}{prefix}{name}"], self.dtype),
-                                                          requires_grad=False)
+            full = f"{LM}{prefix}{name}"
+            other = self.weights(full) if self.weights is not None else None
+            value = torch.from_numpy(other).to(self.dtype) if other is not None else _read(self.source, self.infos[full], self.dtype)
+            target._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
 
     def _drop(self, module) -> None:
         import torch

@@ -100,9 +100,40 @@ def as_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
     return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32)
 
 
-def scratch_bytes(infos: dict[str, TensorInfo]) -> int:
-    """Bytes of the fp16 scratch file for these tensors (2-D and larger ones)."""
-    return sum(-(-int(np.prod(t.shape)) * 2 // _ALIGN) * _ALIGN for t in infos.values() if len(t.shape) >= 2)
+def _pwrite(fd: int, data, off: int) -> None:
+    data = memoryview(data)
+    while data:
+        written = os.pwrite(fd, data, off)
+        data, off = data[written:], off + written
+
+
+def scratch_bytes(infos: dict[str, TensorInfo], scheme=None, compressed=()) -> int:
+    """Bytes of the scratch file for these tensors (2-D and larger ones): fp16, or a compressed
+    tensor's int8 codes slot and fp16 scales."""
+    total = 0
+    for t in infos.values():
+        if len(t.shape) < 2:
+            continue
+        n = int(np.prod(t.shape))
+        if scheme is not None and t.name in compressed:
+            total += -(-n // _ALIGN) * _ALIGN + -(-int(np.prod(scheme.scale_shape(t.shape))) * 2 // _ALIGN) * _ALIGN
+        else:
+            total += -(-n * 2 // _ALIGN) * _ALIGN
+    return total
+
+
+def asset_bytes(infos: dict[str, TensorInfo], scheme=None, compressed=()) -> int:
+    """The weight bytes the scheme implies ``main.mlirb`` holds: codes + scales of the compressed
+    tensors, fp16 for every other tensor of two or more dimensions."""
+    total = 0
+    for t in infos.values():
+        if len(t.shape) < 2:
+            continue
+        if scheme is not None and t.name in compressed:
+            total += scheme.code_bytes(t.shape) + scheme.scale_bytes(t.shape)
+        else:
+            total += int(np.prod(t.shape)) * 2
+    return total
 
 
 def scale_exponent(top: float) -> int:
@@ -142,18 +173,32 @@ class Fp16Weights:
     1-D as fp32 arrays. ``tensors()`` gives torch tensors sharing that memory."""
 
     def __init__(self, folder: Path, infos: dict[str, TensorInfo], scratch_dir: Path, log=lambda msg: None,
-                 scaled: bool = False, streamed: bool = False) -> None:
+                 scaled: bool = False, streamed: bool = False, scheme=None, compressed=()) -> None:
         """``streamed``: tensors of more than ``FOLD_MAX_VALUES`` values are not converted here. Their
         views lie over holes of the sparse scratch file (zeros if read; neither the trace nor the
         converter reads them, ``export.constants_from_buffers``), and ``stream(name)`` converts them
         when ``main.mlirb`` is written (``mlirb.inflate``): the release is read once and the fp16
-        bytes are written once, into the asset. Smaller ones the compiler may fold: converted now."""
+        bytes are written once, into the asset. Smaller ones the compiler may fold: converted now.
+
+        ``scheme`` (``quantize.Scheme``) and ``compressed`` (tensor names): those tensors are laid out
+        as int8 codes (int4 values unpacked: the traced shape; the packed bytes are the first half of
+        the same slot) and fp16 scales, ``codes[name]`` / ``scales[name]``, computed from the release
+        (times ``2**k``) by ``quantize.quantize_torch``; streamed ones when ``main.mlirb`` is written
+        (``stream(name, "codes" | "scales")``: both in one pass over the release, the part asked
+        second kept in its scratch slot meanwhile)."""
         self.folder = Path(folder)
         self.scaled = scaled
         self.exponents: dict[str, int] = {}  # name -> k: the stored tensor is W * 2**k
         self.streamed: dict[str, TensorInfo] = {}  # name -> tensor, for ``stream``
         self._log = log
-        size = max(scratch_bytes(infos), _ALIGN)
+        self.scheme = scheme
+        self.compressed = set(compressed) if scheme is not None else set()
+        self.codes: dict[str, np.ndarray] = {}  # name -> int8 [out, in] view (int4: values unpacked)
+        self.scales: dict[str, np.ndarray] = {}  # name -> fp16 [out, in / block] view
+        self._slots: dict[tuple[str, str], tuple[int, int]] = {}  # (name, part) -> (offset, stored bytes)
+        self._quantized: set[str] = set()  # streamed tensors whose codes and scales are computed
+        self.asset_weight_bytes = 0  # what the scheme implies main.mlirb holds: codes + scales + fp16 rest
+        size = max(scratch_bytes(infos, scheme, self.compressed), _ALIGN)
         fd, path = tempfile.mkstemp(prefix=".clef-weights-", suffix=".f16", dir=scratch_dir)
         try:
             os.unlink(path)  # only the mapping holds it: nothing is left on any exit
@@ -170,6 +215,10 @@ class Fp16Weights:
                 n = int(np.prod(t.shape))
                 k = self._exponent(t) if scaled else 0
                 self.exponents[name] = k
+                if name in self.compressed:  # the compiler folds no blockwise op: streamed at any size
+                    at = self._lay_out_codes(t, fd, at, k, streamed)
+                    continue
+                self.asset_weight_bytes += n * 2
                 if streamed and n > FOLD_MAX_VALUES:
                     self.streamed[name] = t
                 else:
@@ -180,14 +229,86 @@ class Fp16Weights:
         finally:
             os.close(fd)
         log(f"{plural(len(infos), 'tensor')}, {self.fp16_bytes:,} fp16 bytes laid out"
+            + (f", {len(self.compressed)} as {scheme.weights} codes per block of {scheme.block}" if self.compressed else "")
             + (f" ({len(self.streamed)} streamed into the asset when it is written)" if streamed else ""))
 
-    def stream(self, name: str, block_bytes: int = _BLOCK_BYTES):
-        """A streamed tensor's fp16 bytes (times 2**k), in row blocks: memoryviews of two buffers in
-        turn, so a block stays intact while the next one is converted (``mlirb.inflate`` hashes it
-        meanwhile)."""
-        for _r0, data in self._fp16_blocks(self.streamed[name], self.exponents[name], block_bytes, ring=2):
-            yield data
+    def _lay_out_codes(self, t: TensorInfo, fd: int, at: int, k: int, streamed: bool) -> int:
+        """Slots for a compressed tensor's codes (int8, the traced shape) and scales (fp16); filled
+        now, or when ``main.mlirb`` is written (``streamed``)."""
+        sch = self.scheme
+        n = int(np.prod(t.shape))
+        codes_at = at
+        at += -(-n // _ALIGN) * _ALIGN
+        scale_shape = sch.scale_shape(t.shape)
+        scales_at = at
+        at += -(-int(np.prod(scale_shape)) * 2 // _ALIGN) * _ALIGN
+        self._slots[(t.name, "codes")] = (codes_at, sch.code_bytes(t.shape))
+        self._slots[(t.name, "scales")] = (scales_at, sch.scale_bytes(t.shape))
+        self.codes[t.name] = np.frombuffer(self._map, dtype=np.int8, count=n, offset=codes_at).reshape(t.shape)
+        self.scales[t.name] = np.frombuffer(self._map, dtype=np.float16, count=int(np.prod(scale_shape)),
+                                            offset=scales_at).reshape(scale_shape)
+        self.fp16_bytes += n * 2
+        self.asset_weight_bytes += sch.code_bytes(t.shape) + sch.scale_bytes(t.shape)
+        if streamed:
+            self.streamed[t.name] = t
+        else:  # small: the codes unpacked (the converter packs int4 itself), both written now
+            row_bytes, srow = t.shape[1], scale_shape[1] * 2
+            for r0, codes, scales in self._code_blocks(t, self.exponents[t.name], packed=False):
+                _pwrite(fd, memoryview(codes.numpy()).cast("B"), codes_at + r0 * row_bytes)
+                _pwrite(fd, memoryview(scales.numpy()).cast("B"), scales_at + r0 * srow)
+        return at
+
+    def packed_codes(self, name: str) -> np.ndarray:
+        """A streamed int4 tensor's packed bytes: a view over the first half of its codes slot (a
+        hole until ``stream`` fills it)."""
+        off, size = self._slots[(name, "codes")]
+        return np.frombuffer(self._map, dtype=np.uint8, count=size, offset=off)
+
+    def _code_blocks(self, t: TensorInfo, k: int, packed: bool, block_bytes: int = _BLOCK_BYTES):
+        """Row blocks of the release -> ``(r0, codes, scales)`` torch tensors (codes int8, int4
+        packed when ``packed``); a scale beyond fp16's range is an error naming the tensor."""
+        import torch
+
+        from .quantize import pack_int4_torch, quantize_torch
+
+        cols = t.shape[1]
+        for r0, r1, block in self._blocks(t, block_bytes):
+            if k:
+                block.mul_(2.0 ** k)
+            codes, scales = quantize_torch(block.view(r1 - r0, cols), self.scheme)
+            if not bool(torch.isfinite(scales).all()):
+                raise IntegrityError(f"{self.folder / t.file}: {t.name} has values a {self.scheme.weights} scale cannot "
+                                     f"hold in fp16 (|x| > {65504 * self.scheme.qmax:g}, or not finite)")
+            if packed and self.scheme.bits == 4:
+                codes = pack_int4_torch(codes)
+            yield r0, codes.contiguous(), scales.contiguous()
+
+    def stream(self, name: str, part: str = "fp16", block_bytes: int = _BLOCK_BYTES):
+        """A streamed tensor's fp16 bytes (times 2**k), or a compressed one's ``codes`` / ``scales``
+        bytes, in row blocks: each block stays intact while the next one is made (``mlirb.inflate``
+        hashes it meanwhile)."""
+        if part == "fp16":
+            for _r0, data in self._fp16_blocks(self.streamed[name], self.exponents[name], block_bytes, ring=2):
+                yield data
+            return
+        if name in self._quantized:  # made with the other part: from its scratch slot (page cache)
+            off, size = self._slots[(name, part)]
+            view = memoryview(self._map)[off:off + size]
+            for i in range(0, size, block_bytes):
+                yield view[i:i + block_bytes]
+            return
+        self._quantized.add(name)
+        t, other = self.streamed[name], "scales" if part == "codes" else "codes"
+        other_at = self._slots[(name, other)][0]
+        scale_cols, kept = self.scheme.scale_shape(t.shape)[1], []
+        row_code_bytes = self.scheme.code_bytes((1, t.shape[1]))
+        for r0, codes, scales in self._code_blocks(t, self.exponents[name], packed=True, block_bytes=block_bytes):
+            mine, theirs = (codes, scales) if part == "codes" else (scales, codes)
+            at = other_at + r0 * (scale_cols * 2 if other == "scales" else row_code_bytes)
+            data = memoryview(theirs.numpy()).cast("B")
+            self._map[at:at + len(data)] = data
+            kept = (kept + [mine])[-2:]  # the block yielded last stays alive while this one is hashed
+            yield memoryview(mine.numpy()).cast("B")
 
     def _read_small(self, t: TensorInfo) -> np.ndarray:
         with open(self.folder / t.file, "rb") as fh:
@@ -261,10 +382,7 @@ class Fp16Weights:
         """The tensor converted (``_fp16_blocks``) and written at ``at`` in the scratch file."""
         row_bytes = int(np.prod(t.shape[1:])) * 2
         for r0, data in self._fp16_blocks(t, k):
-            off = at + r0 * row_bytes
-            while data:
-                written = os.pwrite(fd, data, off)
-                data, off = data[written:], off + written
+            _pwrite(fd, data, at + r0 * row_bytes)
 
     def tensors(self):
         import torch
@@ -274,8 +392,16 @@ class Fp16Weights:
             out[name] = torch.from_numpy(arr)  # shares the mapping (writable: no copy, no warning)
         return out
 
+    def quantized(self):
+        """name -> (codes, scales) torch tensors sharing the mapping."""
+        import torch
+
+        return {n: (torch.from_numpy(self.codes[n]), torch.from_numpy(self.scales[n])) for n in sorted(self.codes)}
+
     def close(self) -> None:
         self.arrays.clear()
+        self.codes.clear()
+        self.scales.clear()
         try:
             self._map.close()
         except BufferError:  # views still alive elsewhere: the mapping goes with the process
@@ -283,5 +409,5 @@ class Fp16Weights:
 
 
 def load_weights(folder: Path, wanted: dict[str, tuple[int, ...]], scratch_dir: Path, log=lambda msg: None,
-                 scaled: bool = False, streamed: bool = False) -> Fp16Weights:
-    return Fp16Weights(folder, locate(folder, wanted), scratch_dir, log, scaled, streamed)
+                 scaled: bool = False, streamed: bool = False, scheme=None, compressed=()) -> Fp16Weights:
+    return Fp16Weights(folder, locate(folder, wanted), scratch_dir, log, scaled, streamed, scheme, compressed)

@@ -25,9 +25,11 @@ from ..sources.pins import load_pins
 from ..provenance import asset_description, build_date, build_record
 from ..backbone.contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract
 from ..backbone.contract import weight_names
+from ..backbone.quantize import compressed_names
 from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface, Language, TensorSpec
+from ..backbone.manifest import Compression, LayerWeights, PlanRef
 from ..backbone.files import TOKENIZER_DIR, BackgroundHashes, check_pinned, read_files, release_config, verify_files
-from ..backbone.weights import locate, scratch_bytes
+from ..backbone.weights import asset_bytes, locate, scratch_bytes
 from ..gate.backbone import BackboneVerifyConfig, tolerances, verify_backbone
 from ..sources.safetensors import shard_files
 
@@ -44,11 +46,13 @@ def compiles(recipe) -> bool:
 MARGIN = 64 << 20
 
 
-def disk_need(fp16_bytes: int, numeric: bool) -> int:
-    """Bytes the build puts on the output's disk at its peak: ``main.mlirb`` (the fp16 weights once:
-    the large tensors are converted straight into it, ``mlirb.inflate``; the scratch file holds only
-    small ones), and where the numeric gate runs, the runtime's compiled copy with fp32 weights."""
-    return fp16_bytes + (2 * fp16_bytes if numeric else 0) + MARGIN
+def disk_need(asset_bytes: int, numeric: bool, fp16_bytes: int | None = None) -> int:
+    """Bytes the build puts on the output's disk at its peak: ``main.mlirb`` (the weights once, as the
+    scheme stores them: the large tensors are converted straight into it, ``mlirb.inflate``; the
+    scratch file holds only small ones, and a compressed tensor's second part while the first is
+    written), and where the numeric gate runs, the runtime's compiled copy with fp32 weights."""
+    fp16_bytes = asset_bytes if fp16_bytes is None else fp16_bytes
+    return asset_bytes + (2 * fp16_bytes if numeric else 0) + MARGIN
 
 
 def refuse(cfg: BuildConfig) -> None:
@@ -86,18 +90,87 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     except ValueError as exc:
         raise IntegrityError(f"{source / BACKBONE_CONFIG}: {exc}") from None
     infos = locate(source, weight_names(text))
+    scheme = recipe.scheme
+    fp16_layers, plan_ref = resolve_fp16_layers(cfg, text, digests, pins)
+    compressed = compressed_names(weight_names(text), scheme, fp16_layers) if scheme else []
     fp16 = scratch_bytes(infos)
+    implied = asset_bytes(infos, scheme, compressed)
     parameters = sum(math.prod(t.shape) for t in infos.values())
     numeric = bool(cfg.verify and recipe.verify.enabled and parameters <= recipe.verify.numeric_max_parameters)
     what = "the backbone build (main.mlirb and the numeric gate's compiled fp32 copy)" if numeric else \
         "the backbone build (main.mlirb)"
-    check_free_space(final.parent, disk_need(fp16, numeric), what)
+    check_free_space(final.parent, disk_need(implied, numeric, fp16), what)
     info = {"recipe": str(cfg.recipe_path), "name": final.name, "model": MODEL, "bundle": str(final),
             "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
             "files": digests, "deferred": later, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,
             "parameters": parameters, "weight_fp16_bytes": fp16, "text_config": text.as_dict()}
+    if scheme:
+        info.update({"block": scheme.block, "fp16_layers": list(fp16_layers), "compressed_tensors": len(compressed),
+                     "implied_weight_bytes": implied, "experimental": recipe.experimental,
+                     "plan": plan_ref.model_dump() if plan_ref else None})
     return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
-                extra={"text": text, "chunking": chunking, "infos": infos})
+                extra={"text": text, "chunking": chunking, "infos": infos, "scheme": scheme, "compressed": compressed,
+                       "fp16_layers": fp16_layers, "plan_ref": plan_ref, "implied": implied})
+
+
+def resolve_fp16_layers(cfg: BuildConfig, text: TextConfig, digests: dict[str, str], pins):
+    """The decoder layers a compressed recipe keeps fp16, and the plan that chose them: the recipe's
+    list, its plan file (checked to be this release's and this scheme's), or ``auto`` (refused here:
+    ``plan-weights`` writes the plan the recipe names)."""
+    from ..backbone.plan import check_plan_fits, load_plan
+    from ..digest import sha256_file
+
+    recipe = cfg.recipe
+    if recipe.scheme is None:
+        return (), None
+    layers = len(text.layer_types)
+    if recipe.plan:
+        path = Path(recipe.plan)
+        path = path if path.is_absolute() else Path(cfg.recipe_path).parent / path
+        plan = load_plan(path)
+        check_plan_fits(plan, path, recipe.scheme, {**pins.files, **digests}, layers)
+        ref = PlanRef(file=path.name, sha256=sha256_file(path), budget_dp=plan.budget_dp, chosen=list(plan.chosen))
+        return tuple(plan.chosen), ref
+    if recipe.fp16_layers == "auto":
+        raise UsageError(f"{cfg.recipe_path}: fp16_layers = \"auto\": run `clef-export plan-weights` first and name "
+                         f"its plan (plan = \"PLAN.json\"); the build does not choose layers itself yet")
+    bad = [i for i in recipe.fp16_layers if i >= layers]
+    if bad:
+        raise UsageError(f"{cfg.recipe_path}: fp16_layers names layer {bad[0]}; the decoder has {layers} layers")
+    return tuple(sorted(set(recipe.fp16_layers))), None
+
+
+def compression_section(p: Plan, mlirb_bytes: int) -> Compression | None:
+    """The manifest's account of what was compressed, per decoder layer, and what stayed fp16."""
+    from ..backbone.quantize import SCALE_FLOOR, layer_of
+
+    scheme, compressed = p.extra["scheme"], set(p.extra["compressed"])
+    if scheme is None:
+        return None
+    layers: dict[int, list] = {}
+    other = {"tensors": 0, "bytes": 0}
+    for t in p.extra["infos"].values():
+        if len(t.shape) < 2:
+            continue
+        size = scheme.code_bytes(t.shape) + scheme.scale_bytes(t.shape) if t.name in compressed else math.prod(t.shape) * 2
+        layer = layer_of(t.name)
+        if layer is None:
+            other["tensors"] += 1
+            other["bytes"] += size
+            continue
+        entry = layers.setdefault(layer, [0, 0, 0])
+        entry[0] += 1
+        entry[1] += size
+        entry[2] += t.name in compressed
+    implied = p.extra["implied"]
+    return Compression(
+        bits=scheme.bits, block=scheme.block, scale_floor=SCALE_FLOOR,
+        op="coreai.blockwise_shift_scale (torch.ops.coreai.constexpr_blockwise_shift_scale): fp16(scale * code)",
+        experimental=p.cfg.recipe.experimental, fp16_layers=list(p.extra["fp16_layers"]), plan=p.extra["plan_ref"],
+        compressed_tensors=len(compressed),
+        layers=[LayerWeights(layer=i, weights=scheme.weights if n_c else "fp16", tensors=n, bytes=b)
+                for i, (n, b, n_c) in sorted(layers.items())],
+        other=other, implied_bytes=implied, mlirb_over_implied=round(mlirb_bytes / max(implied, 1), 6))
 
 
 def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:
@@ -121,10 +194,12 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     recipe, pins, source = p.cfg.recipe, p.pins, p.source
     text, chunking = p.extra["text"], p.extra["chunking"]
     asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
+    scheme = p.extra["scheme"]
     job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "text_config": text.as_dict(),
            "chunk": recipe.chunk, "context": recipe.context, "compute": recipe.compute,
+           "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": p.extra["compressed"]} if scheme else None,
            "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
-                           f"prefill chunk {recipe.chunk}, compute {recipe.compute}"}}
+                           f"prefill chunk {recipe.chunk}, weights {recipe.weights}, compute {recipe.compute}"}}
     hashes = BackgroundHashes(source, pins, p.deferred) if p.deferred else None
     try:
         timings = run_export(asset_dir, job, log)
@@ -170,7 +245,8 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
         export=BackboneExport(weights=recipe.weights, compute=recipe.compute, aimodel_bytes=tree_bytes(asset_dir),
                               main_mlirb=FileDigest(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
                               weight_fp16_bytes=fp16, mlirb_over_weights=round(mlirb.stat().st_size / max(fp16, 1), 6),
-                              seconds=seconds, tolerances=tolerances(recipe.compute)),
+                              seconds=seconds, tolerances=tolerances(recipe.compute, recipe.weights),
+                              compression=compression_section(p, mlirb.stat().st_size)),
         compilation=Compilation(date=build_date(), targets=[]),
     )
     atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))
@@ -197,6 +273,12 @@ def gate(p: Plan, tmp: Path, log=lambda m: None):
 
 def summary(manifest) -> str:
     e = manifest.export
+    if e.compression is not None:
+        c = e.compression
+        return (f"main.mlirb {e.main_mlirb.bytes:,} bytes, {e.weights} per block of {c.block} "
+                f"({c.compressed_tensors} tensors; layers kept fp16: {c.fp16_layers or 'none'}): "
+                f"{c.mlirb_over_implied:.4f} x the scheme's bytes, {e.mlirb_over_weights:.4f} x fp16"
+                + ("; EXPERIMENTAL" if c.experimental else ""))
     return f"main.mlirb {e.main_mlirb.bytes:,} bytes ({e.mlirb_over_weights:.4f} x the fp16 weights)"
 
 

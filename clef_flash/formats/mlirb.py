@@ -484,6 +484,14 @@ class _DirectWriter:
             self.abort()
 
 
+class MissingPlaceholders(BytecodeError):
+    """Placeholders the compiler folded, inlined or merged: ``keys`` names them."""
+
+    def __init__(self, message: str, keys: list[bytes]) -> None:
+        super().__init__(message)
+        self.keys = keys
+
+
 def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_") -> tuple[int, str]:
     """Write ``out``: the bytecode ``path`` (small) with each blob whose data is a key of ``sizes`` (a
     placeholder) given its ``sizes[key]`` bytes from ``supply(key)`` (an iterable of bytes-like
@@ -513,12 +521,14 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
     # the new entries: (prefix bytes incl. padding, data: bytes, or the key of a placeholder to fill, data size)
     plan, new_sizes, offset, at = [], [], by_id[RESOURCE].start, 0
     left = dict(sizes)
+    blob_align = 1  # the largest blob alignment: the section must start aligned to it in ``out``
     for _key, entry_size, kind in entries:
         if kind != 0:  # not a blob: its bytes as they are (hashed whole, as stable_resource_names does)
             plan.append((b"", data[offset:offset + entry_size], entry_size))
         else:
             r = _Reader(data, offset)
             align, size = r.varint(), r.varint()
+            blob_align = max(blob_align, align)
             start = r.pos if align <= 1 else (r.pos + align - 1) & ~(align - 1)
             body: bytes | tuple = data[start:start + size]
             if body in left:
@@ -530,7 +540,8 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
         at += new_sizes[-1]
         offset += entry_size
     if left:
-        raise BytecodeError(f"{path}: {len(left)} placeholder(s) to fill not found (merged or dropped by the compiler?)")
+        raise MissingPlaceholders(f"{path}: {len(left)} placeholder(s) to fill not found (merged or dropped by the compiler?)",
+                                  sorted(left))
     offsets_data = _write_groups(groups, new_sizes)
 
     whole = hashlib.sha256()
@@ -548,6 +559,11 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
             put(data[:sections[0].header])
             for sec in sections:
                 align = _alignment(src, sec)
+                if sec.id == RESOURCE and blob_align > 1:
+                    # each blob's padding is relative to the section's start: the section itself must be
+                    # aligned. The converter's writer leaves the flag off where the small file's section
+                    # happened to start aligned; the offsets section before it grows here, so say it
+                    align = max(align or 1, blob_align)
                 if sec.id == RESOURCE:
                     put(_section_header(RESOURCE, at, align, written))
                     for head_bytes, body, size in plan:

@@ -54,13 +54,27 @@ TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
     },
 }
 RED_ARMS = ("state_reset", "positions_late")
+# compressed weights: the reference reads the asset's codes and scales wrongly, and must fail the bar
+# (the gate sees the layout it claims: blocks along the input axis, codes row-major)
+QUANT_RED_ARMS = ("scales_shifted", "codes_transposed")
+REPORTED = "quantization"  # the compressed asset against the uncompressed release: reported, not gated here
 # the numeric check runs on decoders up to this many parameters unless the recipe says otherwise: the
 # Linux CPU runtime's fp16 arithmetic takes over 16 minutes a chunk at real width (the recipes' values)
 NUMERIC_MAX_PARAMETERS = {"fp32": 2_000_000_000, "fp16": 50_000_000}
 
 
-def tolerances(compute: str) -> dict[str, dict[str, Any]]:
-    return {k: {"bar": v[0], "reason": v[1]} for k, v in TOLERANCES[compute].items()}
+# compressed weights: the bars above hold the asset against the reference on the asset's own
+# dequantized weights (the runtime's exactness); the quantization's own cost is measured apart
+QUANTIZATION = {"rel_max_abs_d": (None, "the compressed asset's rows against the uncompressed release's: the "
+                                        "quantization's cost, reported here; gated end to end by check-release "
+                                        "--backbone against the published port's bar (max |dp| 0.02)")}
+
+
+def tolerances(compute: str, weights: str = "fp16") -> dict[str, dict[str, Any]]:
+    out = {k: {"bar": v[0], "reason": v[1]} for k, v in TOLERANCES[compute].items()}
+    if weights != "fp16":
+        out["quantization"] = {"bar": QUANTIZATION["rel_max_abs_d"][0], "reason": QUANTIZATION["rel_max_abs_d"][1]}
+    return out
 
 
 @dataclass(frozen=True)
@@ -95,6 +109,7 @@ class BackboneReport(Report):
     compute: str = "fp32"
     results: list[RecordResult] = field(default_factory=list)
     red_arms: tuple[str, ...] = ()  # the arms this run had to run (all of RED_ARMS when red)
+    weights: str = "fp16"
 
     def _inside(self, r: RecordResult) -> bool:
         bars = TOLERANCES[self.compute]
@@ -105,6 +120,8 @@ class BackboneReport(Report):
         bars = TOLERANCES[self.compute]
         for r in self.results:
             inside = self._inside(r)
+            if r.arm == REPORTED:
+                continue
             if r.arm == "main" and not inside:
                 out.append(f"record {r.name} ({plural(r.tokens, 'token')}): rel max |d| {r.rel_max_abs_d:.3g} (bar "
                            f"{bars['rel_max_abs_d'][0]:g}), min row cosine {r.min_row_cosine:.6f} (bar {bars['min_row_cosine'][0]:g})")
@@ -112,13 +129,13 @@ class BackboneReport(Report):
                 out.append(f"red arm {r.arm} on record {r.name}: rel max |d| {r.rel_max_abs_d:.3g} passes the bar "
                            f"(the gate cannot see it)")
         if self.results:  # a numeric run: every arm it owed is there
-            ran = {r.arm for r in self.results if r.arm != "main"}
+            ran = {r.arm for r in self.results if r.arm not in ("main", REPORTED)}
             out.extend(f"red arm {arm} did not run (no gate passes without its red arms)"
                        for arm in self.red_arms if arm not in ran)
         return out
 
     def title(self) -> str:
-        return f"verify {self.bundle} (backbone, compute {self.compute})"
+        return f"verify {self.bundle} (backbone, weights {self.weights}, compute {self.compute})"
 
     def columns(self) -> list[str]:
         return ["record", "tokens", "calls", "rel max |d|", "min row cosine"]
@@ -126,6 +143,10 @@ class BackboneReport(Report):
     def rows(self):
         out = []
         for r in self.results:
+            if r.arm == REPORTED:
+                out.append(([f"{r.name} (vs the uncompressed release)", str(r.tokens), str(r.calls),
+                             f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], "report"))
+                continue
             ok = self._inside(r) if r.arm == "main" else not self._inside(r)
             out.append(([r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", str(r.tokens), str(r.calls),
                          f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], "pass" if ok else "FAIL"))
@@ -135,25 +156,41 @@ class BackboneReport(Report):
         return {k: v[0] for k, v in TOLERANCES[self.compute].items()}
 
     def lines(self) -> list[str]:
-        red = [r for r in self.results if r.arm != "main"]
-        return ["red arms run: " + ", ".join(f"{r.arm} on {r.name} ({r.rel_max_abs_d:.2g})" for r in red)] if red else []
+        red = [r for r in self.results if r.arm not in ("main", REPORTED)]
+        out = ["red arms run: " + ", ".join(f"{r.arm} on {r.name} ({r.rel_max_abs_d:.2g})" for r in red)] if red else []
+        q = self.quantization()
+        if q:
+            out.append(f"(a) the runtime: rows vs torch eager on the asset's own dequantized weights, the bars above; "
+                       f"(b) the quantization: rows vs the uncompressed release, rel max |d| {q['rel_max_abs_d']:.3g}, "
+                       f"min row cosine {q['min_row_cosine']:.6f} (reported; check-release --backbone gates it end to end)")
+        return out
+
+    def quantization(self) -> dict[str, float] | None:
+        q = [r for r in self.results if r.arm == REPORTED]
+        if not q:
+            return None
+        return {"rel_max_abs_d": max(r.rel_max_abs_d for r in q), "min_row_cosine": min(r.min_row_cosine for r in q)}
 
     def headline(self) -> str:
         main = [r for r in self.results if r.arm == "main"]
         if not main:
             return f"{sum(ok for _, ok, _ in self.checks)}/{plural(len(self.checks), 'check')} of the saved asset passed"
         worst = max(r.rel_max_abs_d for r in main)
-        red = [r for r in self.results if r.arm != "main"]
+        red = [r for r in self.results if r.arm not in ("main", REPORTED)]
+        q = self.quantization()
         return (f"{plural(len(main), 'record')}, rel max |d| {worst:.2e} (bar {self.bars()['rel_max_abs_d']:g}); red arms "
-                + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red))
+                + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red)
+                + (f"; quantization vs the release: rel max |d| {q['rel_max_abs_d']:.3g}, min cosine {q['min_row_cosine']:.5f}"
+                   if q else ""))
 
     def summary(self) -> dict[str, Any]:
         main = [r for r in self.results if r.arm == "main"]
         return {"ok": self.ok, "compute": self.compute,
                 "records": {r.name: {"tokens": r.tokens, "calls": r.calls, "rel_max_abs_d": r.rel_max_abs_d,
                                      "min_row_cosine": r.min_row_cosine} for r in main},
-                "red": {r.arm: r.rel_max_abs_d for r in self.results if r.arm != "main"},
-                "red_records": {r.arm: r.name for r in self.results if r.arm != "main"},
+                "red": {r.arm: r.rel_max_abs_d for r in self.results if r.arm not in ("main", REPORTED)},
+                "red_records": {r.arm: r.name for r in self.results if r.arm not in ("main", REPORTED)},
+                "weights": self.weights, "quantization": self.quantization(),
                 "bars": self.bars(),
                 "checks": {n: ok for n, ok, _ in self.checks}, "failures": self.failures, "notes": self.notes}
 
@@ -194,6 +231,33 @@ def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     return rel, float(cos.min())
 
 
+def compression_of(m, text):
+    """The manifest's scheme and the tensors it compressed (``quantize.compressed_names`` of its
+    fp16 layers), checked against the count it states; ``(None, [])`` for fp16 weights."""
+    from ..backbone.contract import weight_names
+    from ..backbone.quantize import Scheme, compressed_names
+
+    c = m.export.compression
+    if m.export.weights == "fp16":
+        return None, []
+    if c is None or f"int{c.bits}" != m.export.weights:
+        raise IntegrityError(f"{m.name}: weights {m.export.weights} but the manifest's compression section "
+                             f"{'is missing' if c is None else 'says int' + str(c.bits)}")
+    scheme = Scheme(c.bits, c.block)
+    names = compressed_names(weight_names(text), scheme, c.fp16_layers)
+    if len(names) != c.compressed_tensors:
+        raise IntegrityError(f"{m.name}: the manifest says {c.compressed_tensors} tensors compressed; its scheme and "
+                             f"fp16 layers give {len(names)}")
+    return scheme, names
+
+
+def _dequantized(mlirb: Path, found, scheme, name: str, red: str | None = None):
+    from ..backbone.asset_weights import dequantized
+
+    f = found.get(name)
+    return None if f is None else dequantized(mlirb, f, scheme, red)
+
+
 def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> BackboneReport:
     from ..sources.pins import load_pins
     from ..provenance import tool_versions
@@ -205,6 +269,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     from ..backbone.contract import weight_names
     from ..backbone.files import release_config, verify_files
     from ..backbone.runtime import runner
+    from ..backbone.quantize import layer_of
     from ..backbone.weights import locate
 
     t_start = time.perf_counter()
@@ -229,34 +294,61 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     # the runtime's own descriptor where it loads the asset anyway; else the bytecode's (no compiled copy)
     checks.extend(descriptor_checks(asset, m, compiled=numeric))
     notes: list[str] = []
-    if cfg.weights:
-        weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log)
+    scheme, compressed = compression_of(m, text)
+    found, unreadable = None, False
+    if cfg.weights or scheme is not None:  # compressed: the numeric gate reads the blobs this finds
+        weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log, scheme=scheme,
+                          compressed=compressed)
         checks.extend(weights.checks())
+        found = weights.found
+        unreadable = scheme is not None and not weights.ok
+        if unreadable and numeric:
+            numeric = False
+            notes.append("numeric check not run: a compressed tensor's codes or scales are not in main.mlirb (above)")
     else:
         notes.append("the streamed weight comparison was not run")
     results: list[RecordResult] = []
-    if not numeric:
+    if not numeric and not unreadable:
         notes.append(f"numeric check not run: {params:,} parameters exceed numeric_max_parameters "
                      f"({limit:,}); fp{'16' if compute == 'fp16' else '32'} compute on the Linux CPU "
                      f"runtime is too slow at this size")
-    else:
+    elif numeric:
         lengths = record_lengths(chunk, context, cfg.long_record)
         rng = np.random.default_rng([cfg.seed, 19])
         records = {name: rng.integers(0, text.vocab_size, size=n) for name, n in lengths.items()}
-        # the reference first, one layer in memory at a time, and gone before the runtime loads the asset
-        with progress("gate: reference, transformers fp32", len(records), "records") as tick:
-            ref = StreamedTextModel(source)
-            wants = {}
-            for name, ids in records.items():
-                wants[name] = ref.rows(ids)
-                tick()
-        del ref
+        red_on = red_records(lengths, chunk, context) if cfg.red else {}
+        # the reference first, one layer in memory at a time, and gone before the runtime loads the asset.
+        # Compressed: (a) on the asset's own dequantized weights (read from main.mlirb), the bars; (b) the
+        # uncompressed release, reported; the red arms read the codes or scales wrongly (must fail (a))
+        mlirb = asset / "main.mlirb"
+        refs: dict[str, tuple] = {"main": (None, list(records))}
+        if scheme is not None:
+            refs = {"main": (lambda n, red=None: _dequantized(mlirb, found, scheme, n, red), list(records)),
+                    REPORTED: (None, list(records))}
+            if cfg.red:
+                state_record = red_on["state_reset"]
+                # one tensor: the largest of the first compressed layer (a small one, in_proj_a, moves little)
+                low = min(layer_of(n) for n in found)
+                first = max((n for n in found if layer_of(n) == low), key=lambda n: (int(np.prod(found[n].shape)), n))
+                refs["scales_shifted"] = (lambda n: _dequantized(mlirb, found, scheme, n, "scales_shifted"), [state_record])
+                refs["codes_transposed"] = (lambda n, first=first: _dequantized(mlirb, found, scheme, n,
+                                                                                 "codes_transposed" if n == first else None),
+                                            [state_record])
+                red_on.update({arm: state_record for arm in QUANT_RED_ARMS})
+        wants: dict[tuple[str, str], np.ndarray] = {}
+        total = sum(len(names) for _, names in refs.values())
+        with progress("gate: reference, transformers fp32", total, "records") as tick:
+            for arm, (override, names) in refs.items():
+                ref = StreamedTextModel(source, weights=override)
+                for name in names:
+                    wants[(arm, name)] = ref.rows(records[name])
+                    tick()
+                del ref
         gc.collect()
         state_dtype = "fp32" if compute == "fp32" else "fp16"
 
-        red_on = red_records(lengths, chunk, context) if cfg.red else {}
         plan = [(name, arm) for name in records
-                for arm in ["main"] + [a for a in RED_ARMS if red_on.get(a) == name]]
+                for arm in ["main"] + [a for a in RED_ARMS if red_on.get(a) == name]]  # the asset's runs
 
         async def run_all():
             out = []
@@ -277,19 +369,25 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
             warnings.simplefilter("ignore")
             runs = run_async(run_all)
         for name, arm, got, secs in runs:
-            rel, cos = _compare(got, wants[name])
-            results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),
-                                        rel_max_abs_d=rel, min_row_cosine=cos, arm=arm))
-            log(f"{name} ({plural(len(records[name]), 'token')}){'' if arm == 'main' else ' red ' + arm}: rel max |d| {rel:.2e}, "
-                f"min row cosine {cos:.7f} ({secs:.1f} s)")
-    transcript = {"bundle": str(cfg.bundle), "compute": compute, "source": {"hf_id": pins.hf_id, "revision": pins.revision},
-                  "bars": tolerances(compute), "seed": cfg.seed, "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
+            # the asset's main rows against every reference of this record; a host red arm against the main one
+            against = [arm] if arm != "main" else [a for a, (_, names) in refs.items() if name in names]
+            for ref_arm in against:
+                rel, cos = _compare(got, wants[("main" if arm != "main" else ref_arm, name)])
+                results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),
+                                            rel_max_abs_d=rel, min_row_cosine=cos, arm=ref_arm))
+                label = "" if ref_arm == "main" else (" vs the uncompressed release" if ref_arm == REPORTED else " red " + ref_arm)
+                log(f"{name} ({plural(len(records[name]), 'token')}){label}: rel max |d| {rel:.2e}, "
+                    f"min row cosine {cos:.7f}" + (f" ({secs:.1f} s)" if ref_arm == "main" or arm != "main" else ""))
+    transcript = {"bundle": str(cfg.bundle), "compute": compute, "weights": m.export.weights,
+                  "source": {"hf_id": pins.hf_id, "revision": pins.revision},
+                  "bars": tolerances(compute, m.export.weights), "seed": cfg.seed, "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
                   "records": [r.__dict__ for r in results],
                   "arms_run": [{"record": r.name, "arm": r.arm} for r in results],  # every arm, the red ones named
                   "notes": notes, "versions": tool_versions(),
                   "seconds": time.perf_counter() - t_start}
+    owed = (RED_ARMS + (QUANT_RED_ARMS if scheme is not None else ())) if cfg.red else ()
     report = BackboneReport(bundle=Path(cfg.bundle), compute=compute, results=results, checks=checks, transcript=transcript,
-                            notes=notes, red_arms=RED_ARMS if cfg.red else ())
+                            notes=notes, red_arms=owed, weights=m.export.weights)
     transcript["ok"], transcript["failures"] = report.ok, report.failures
     return report
 

@@ -165,8 +165,10 @@ def _built(dist: Dist) -> list[str]:
     for b in dist.bundles:
         p = b.record.get("parameters", {})
         r = p.get("recipe", {})
-        keys = ("weights", "compute", "chunk", "context", "buckets", "q_pad", "o_pad", "format")
-        params = ", ".join(f"{k} {r[k]}" for k in keys if k in r)
+        keys = ("weights", "block", "fp16_layers", "plan", "compute", "chunk", "context", "buckets", "q_pad", "o_pad", "format")
+        compressed_only = ("block", "fp16_layers", "plan")
+        params = ", ".join(f"{k} {r[k]}" for k in keys if r.get(k) is not None
+                           and not (k in compressed_only and r.get("weights", "fp16") == "fp16"))
         out.append(f"| `{b.name}` | `{p.get('recipe_file')}` | {b.record.get('tool', {}).get('command')} | {params} |")
     envs = [b.record.get("environment", {}) for b in dist.bundles]
     tools = sorted({k for e in envs for k in e})
@@ -197,6 +199,20 @@ def _proof(dist: Dist, transcript: dict[str, Any] | None) -> list[str]:
             if v.get("red"):
                 out += ["", "Red arms (the gate must see them): " + ", ".join(
                     f"{k} {fig(x)}" for k, x in v["red"].items()) + " relative max |d|, each far over the bar."]
+            c = (b.manifest.get("export") or {}).get("compression")
+            if c:
+                q = v.get("quantization") or {}
+                plan = c.get("plan")
+                out += ["", f"Precision: weights int{c['bits']} (symmetric, per block of {c['block']} along each linear's "
+                        f"input axis, fp16 scales) on {c['compressed_tensors']} decoder linears; kept fp16: layers "
+                        f"{c['fp16_layers'] or 'none'}" + (f", chosen by the plan `{plan['file']}` (sha256 `{plan['sha256'][:16]}`, "
+                        f"budget max |d p| {fig(plan['budget_dp'])})" if plan else "") + "; the embedding, conv1d and norms fp16. "
+                        f"main.mlirb is {fig(c['mlirb_over_implied'])} x the scheme's bytes.",
+                        "", "The rows above are the asset against torch eager on its own dequantized weights (read back from "
+                        "main.mlirb): the runtime's exactness. The quantization's own cost, the asset against the uncompressed "
+                        f"release: relative max |d| {fig(q.get('rel_max_abs_d'))}, min row cosine {fig(q.get('min_row_cosine'), 9)}."]
+                if c.get("experimental"):
+                    out += ["", f"**Experimental: int{c['bits']} weights, not yet proven on a trained model's end-to-end gate.**"]
         out += ["", "Checks: " + ", ".join(f"{k} {'✓' if ok else '✗'}" for k, ok in v.get("checks", {}).items()), ""]
     if transcript is not None:
         s = check_summary(transcript)
@@ -211,7 +227,7 @@ def _proof(dist: Dist, transcript: dict[str, Any] | None) -> list[str]:
                 ("max |d p|", s.get("max_abs_dp")), ("bar (max)", s.get("bar")),
                 ("mean |d p|", s.get("mean_abs_dp")), ("bar (mean)", s.get("mean_bar"))]
         if s.get("backbone"):
-            rows += [("backbone compute", s["backbone"].get("compute")),
+            rows += [("backbone weights", s["backbone"].get("weights", "fp16")), ("backbone compute", s["backbone"].get("compute")),
                      ("backbone hidden rows, relative max |d|", s["backbone"].get("hidden_rel_max_abs_d"))]
         out += [f"| {k.replace('|', chr(92) + '|')} | {fig(x)} |" for k, x in rows]
         out += ["", f"Bar: {transcript.get('bar', {}).get('reason', '')}", ""]

@@ -1,0 +1,138 @@
+"""Weight-only compression of the decoder's linears: symmetric integer codes per block of the input
+axis, one fp16 scale a block, as coreai-torch's ``constexpr_blockwise_shift_scale`` reads them
+(``output = scale * code``, blocks ``[1, block]`` of an ``[out, in]`` matrix; int4 packed two a byte,
+the even element in the low nibble).
+
+The rule, the same in the build (torch, ``Quantizer``) and in the gate (numpy, ``quantize_np``: a
+second implementation, so a wrong rule in one is seen by the other):
+
+- ``w`` the release's values in fp32 (bf16 widened exactly; times ``2**k`` for the fp32-compute
+  recipes, ``weights.scale_exponent``);
+- ``scale = max(fp16(absmax(block) / qmax), 2**-14)``: rounded to fp16 *before* the codes are
+  computed, so the codes are those of the scale the asset holds; never an fp16 subnormal (the
+  Core AI runtime flushes those to zero when it widens fp16), an all-zero block included;
+- ``code = clip(rint(w / scale), -qmax, qmax)`` (round half to even), ``qmax = 2**(bits-1) - 1``.
+
+The dequantized weight the asset computes with is ``fp16(code * scale)`` (the op's output dtype
+is the scale's): ``dequantize``.
+
+What is compressed: every decoder linear whose input axis is a whole number of blocks, in the
+layers not kept fp16. The embedding, conv1d, norms and 1-D tensors stay as the fp16 build has them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .contract import LM
+
+SCALE_FLOOR = 2.0 ** -14  # the smallest normal fp16: a smaller scale would be flushed by the runtime
+LINEARS = re.compile(re.escape(LM) + r"layers\.(\d+)\.(self_attn\.(q|k|v|o)_proj|linear_attn\.(in_proj_qkv|in_proj_z|"
+                     r"in_proj_b|in_proj_a|out_proj)|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    bits: int  # 8 or 4
+    block: int  # values a scale covers, along the input axis
+
+    @property
+    def qmax(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def weights(self) -> str:
+        return f"int{self.bits}"
+
+    def code_bytes(self, shape: tuple[int, ...]) -> int:
+        n = int(np.prod(shape))
+        return n if self.bits == 8 else (n + 1) // 2
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        return (shape[0], shape[1] // self.block)
+
+    def scale_bytes(self, shape: tuple[int, ...]) -> int:
+        return int(np.prod(self.scale_shape(shape))) * 2
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a compressible linear belongs to (None: not a decoder linear)."""
+    m = LINEARS.match(name)
+    return int(m.group(1)) if m else None
+
+
+def compressed_names(wanted: dict[str, tuple[int, ...]], scheme: Scheme, fp16_layers=()) -> list[str]:
+    """The tensors the scheme compresses: decoder linears outside ``fp16_layers`` whose input axis the
+    block divides (anything the scheme cannot block stays fp16)."""
+    keep = set(fp16_layers)
+    return sorted(n for n, s in wanted.items()
+                  if len(s) == 2 and layer_of(n) is not None and layer_of(n) not in keep and s[1] % scheme.block == 0)
+
+
+# ------------------------------------------------------------------ the build's quantizer (torch)
+
+def quantize_torch(w, scheme: Scheme):
+    """``w [r, in]`` fp32 (torch) -> codes int8 ``[r, in]`` (int4 values unpacked), scales fp16 ``[r, in/block]``."""
+    import torch
+
+    r, cols = w.shape
+    blocks = w.reshape(r, cols // scheme.block, scheme.block)
+    amax = blocks.abs().amax(-1)
+    scales = torch.clamp((amax / scheme.qmax).to(torch.float16), min=SCALE_FLOOR)
+    codes = torch.round(blocks / scales.float()[..., None]).clamp_(-scheme.qmax, scheme.qmax).to(torch.int8)
+    return codes.reshape(r, cols), scales
+
+
+def pack_int4_torch(codes):
+    """int8 values in [-8, 7] -> packed bytes (uint8), the even element in the low nibble."""
+    import torch
+
+    flat = (codes.reshape(-1) & 0xF).to(torch.uint8)
+    if flat.numel() % 2:
+        flat = torch.cat((flat, flat.new_zeros(1)))
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+# ------------------------------------------------------------------ the gate's quantizer (numpy)
+
+def quantize_np(w: np.ndarray, scheme: Scheme) -> tuple[np.ndarray, np.ndarray]:
+    """The same rule in numpy (the gate's independent implementation)."""
+    r, cols = w.shape
+    blocks = w.reshape(r, cols // scheme.block, scheme.block)
+    amax = np.max(np.abs(blocks), axis=-1)
+    scales = np.maximum((amax / np.float32(scheme.qmax)).astype(np.float16), np.float16(SCALE_FLOOR))
+    codes = np.clip(np.rint(blocks / scales.astype(np.float32)[..., None]), -scheme.qmax, scheme.qmax).astype(np.int8)
+    return codes.reshape(r, cols), scales
+
+
+def pack_int4(codes: np.ndarray) -> np.ndarray:
+    flat = (codes.reshape(-1).astype(np.int16) & 0xF).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.concatenate((flat, np.zeros(1, np.uint8)))
+    return flat[0::2] | (flat[1::2] << 4)
+
+
+def unpack_int4(packed: np.ndarray, n: int) -> np.ndarray:
+    low, high = (packed & 0xF).astype(np.int8), (packed >> 4).astype(np.int8)
+    flat = np.stack((low, high), axis=-1).reshape(-1)[:n]
+    return np.where(flat > 7, flat - 16, flat).astype(np.int8)
+
+
+def code_bytes_of(codes: np.ndarray, scheme: Scheme) -> np.ndarray:
+    """The codes as the asset stores them (int8 as they are; int4 packed)."""
+    return codes.reshape(-1).view(np.uint8) if scheme.bits == 8 else pack_int4(codes)
+
+
+def codes_from_bytes(data: np.ndarray, shape: tuple[int, ...], scheme: Scheme) -> np.ndarray:
+    n = int(np.prod(shape))
+    return (data.view(np.int8)[:n] if scheme.bits == 8 else unpack_int4(data, n)).reshape(shape)
+
+
+def dequantize(codes: np.ndarray, scales: np.ndarray, scheme: Scheme) -> np.ndarray:
+    """What the asset computes with: ``fp16(code * scale)`` per block (exact product, one rounding)."""
+    r, cols = codes.shape
+    full = codes.reshape(r, cols // scheme.block, scheme.block).astype(np.float32) * scales.astype(np.float32)[..., None]
+    return full.astype(np.float16).reshape(r, cols)

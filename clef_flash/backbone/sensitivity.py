@@ -1,0 +1,109 @@
+"""How much each decoder layer's answers move when its linears are compressed, measured on the
+release's own weights, one layer in memory at a time (``reference.StreamedTextModel``).
+
+``layer_errors``: one forward of the uncompressed reference per calibration record; at each decoder
+layer a hook runs the same layer again on the same captured inputs with its linears replaced by
+their dequantized codes (the scheme's rule, ``quantize.quantize_np``, as the build computes them),
+and compares the two outputs (max |d| and rms relative to the layer output's largest |value|).
+The rest of the model sees only the uncompressed outputs: each number is that layer's own error.
+
+``rows_with``: the hidden rows with a chosen set of layers compressed (the end-to-end trials).
+Both compute in fp32 eager: the plan measures the quantization alone, not a runtime's arithmetic.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .contract import LM
+from .quantize import dequantize, layer_of, quantize_np
+from .weights import TensorInfo, as_f32, raw_blocks, scale_exponent
+
+
+def dequantized_release(folder: Path, t: TensorInfo, scheme, scaled: bool) -> np.ndarray:
+    """The release tensor as the compressed asset computes with it (fp32): codes and scales of the
+    values times ``2**k`` (fp32 compute; ``k`` by the build's rule), dequantized, times ``2**-k``."""
+    w = np.concatenate([as_f32(raw, t.dtype) for _, _, raw in raw_blocks(folder, t)]).reshape(t.shape)
+    k = scale_exponent(float(np.max(np.abs(w)))) if scaled and w.size else 0
+    scale = np.float32(2.0 ** k)
+    codes, scales = quantize_np(w * scale if k else w, scheme)
+    out = dequantize(codes, scales, scheme).astype(np.float32)
+    return out / scale if k else out
+
+
+class Dequantizer:
+    """name -> the dequantized release tensor, for the names of ``layers`` (None elsewhere)."""
+
+    def __init__(self, folder: Path, infos: dict[str, TensorInfo], scheme, compressed: list[str], scaled: bool) -> None:
+        self.folder, self.infos, self.scheme, self.scaled = Path(folder), infos, scheme, scaled
+        self.compressed = set(compressed)
+        self.layers: set[int] = set()
+
+    def __call__(self, name: str):
+        if name in self.compressed and layer_of(name) in self.layers:
+            return dequantized_release(self.folder, self.infos[name], self.scheme, self.scaled)
+        return None
+
+
+def layer_errors(source: Path, records: list[np.ndarray], infos: dict[str, TensorInfo], scheme, compressed: list[str],
+                 scaled: bool, tick=lambda: None) -> tuple[dict[int, dict[str, float]], list[np.ndarray]]:
+    """Per decoder layer: its output error with its linears compressed (``rel_max_abs_d``,
+    ``rel_rms_d``; the worst over the records), and the uncompressed hidden rows of every record."""
+    import torch
+
+    from .reference import StreamedTextModel
+
+    ref = StreamedTextModel(source)
+    by_layer: dict[int, list[str]] = {}
+    for n in compressed:
+        by_layer.setdefault(layer_of(n), []).append(n)
+    errors: dict[int, dict[str, float]] = {}
+
+    def hook(index: int):
+        def after(module, args, kwargs, output):
+            names = by_layer.get(index)
+            if not names:
+                return None
+            want = output[0] if isinstance(output, tuple) else output
+            kept = {}
+            prefix = f"{LM}layers.{index}."
+            for full in names:
+                owner, _, attr = full[len(prefix):].rpartition(".")
+                target = module.get_submodule(owner)
+                kept[(owner, attr)] = target._parameters[attr]
+                value = dequantized_release(ref.source, ref.infos[full], scheme, scaled)
+                target._parameters[attr] = torch.nn.Parameter(torch.from_numpy(value), requires_grad=False)
+            got = module.forward(*args, **kwargs)
+            got = got[0] if isinstance(got, tuple) else got
+            for (owner, attr), p in kept.items():
+                module.get_submodule(owner)._parameters[attr] = p
+            top = max(float(want.abs().max()), 1e-30)
+            d = (got - want).abs()
+            e = errors.setdefault(index, {"rel_max_abs_d": 0.0, "rel_rms_d": 0.0})
+            e["rel_max_abs_d"] = max(e["rel_max_abs_d"], float(d.max()) / top)
+            e["rel_rms_d"] = max(e["rel_rms_d"], float(d.pow(2).mean().sqrt()) / top)
+            return None
+        return after
+
+    for i, layer in enumerate(ref.model.layers):  # before the reference's own hook drops the layer's weights
+        layer.register_forward_hook(hook(i), with_kwargs=True, prepend=True)
+    rows = []
+    for ids in records:
+        rows.append(ref.rows(ids))
+        tick()
+    return errors, rows
+
+
+def rows_with(source: Path, records: list[np.ndarray], deq: Dequantizer, compressed_layers: set[int], tick=lambda: None):
+    """Every record's hidden rows with ``compressed_layers``' linears dequantized (fp32 eager)."""
+    from .reference import StreamedTextModel
+
+    deq.layers = set(compressed_layers)
+    ref = StreamedTextModel(source, weights=deq)
+    out = []
+    for ids in records:
+        out.append(ref.rows(ids))
+        tick()
+    return out

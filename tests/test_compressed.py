@@ -1,0 +1,331 @@
+"""Compressed backbones (issue 29): int8 / int4 codes per block with fp16 scales, streamed into
+main.mlirb, gated in two parts (the runtime against torch eager on the asset's own dequantized
+weights; the quantization against the uncompressed release), a per-layer plan chosen for the
+release's own weights, and check-release through the compressed asset.
+
+A tiny release (make-tiny's configuration) goes pin -> int8w32 / int4 / int8-with-a-fp16-layer
+builds (the gate runs in each) -> plan-weights -> a build from the plan -> check-release."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from clef_flash.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+
+
+def _recipe(tmp: Path, weights: str, compute: str, chunk: int = 16, context: int = 128, extra: str = "") -> Path:
+    p = tmp / f"backbone_{weights}_{compute}_{chunk}_{context}_{abs(hash(extra)) % 1000}.toml"
+    p.write_text(f'model = "backbone"\nname = "{{release}}_decode_{weights}_{compute}_pf{chunk}"\nchunk = {chunk}\n'
+                 f'context = {context}\nweights = "{weights}"\ncompute = "{compute}"\n{extra}')
+    return p
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory, author_code) -> Path:
+    from clef_flash.head.synth import MAKE_TINY_HEAD, write_release
+    from clef_flash.sources.pinning import pin_local
+
+    rel = write_release(tmp_path_factory.mktemp("compressed-release") / "tiny_release", config_name=MAKE_TINY_HEAD,
+                        seed=0, author_code=author_code, backbone="qwen3_5", variant="tiny")
+    pin_local(rel, name="tiny_release")
+    return rel
+
+
+@pytest.fixture(scope="module")
+def built(release, tmp_path_factory) -> dict[str, Path]:
+    """int8 fp32 compute, int4 fp16 compute, int8 fp16 compute with layer 0 kept fp16: each gated in its build."""
+    tmp = tmp_path_factory.mktemp("compressed-builds")
+    out = {}
+    for key, weights, compute, extra in (("int8w32", "int8", "fp32", ""), ("int4", "int4", "fp16", ""),
+                                         ("int8-l0", "int8", "fp16", "fp16_layers = [0]\n")):
+        res = runner.invoke(app, ["build", str(_recipe(tmp, weights, compute, extra=extra)), "--source", str(release),
+                                  "--out", str(tmp / key), "--json"])
+        assert res.exit_code == 0, res.output[-3000:]
+        out[key] = tmp / key / json.loads(res.stdout)["name"]
+    return out
+
+
+# ---------------------------------------------------------------- the rule, no Core AI asset
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_build_and_gate_quantizers_agree_and_keep_the_rule(bits):
+    """torch (the build) and numpy (the gate) give the same codes and scales bit for bit, on blocks
+    that test the rule's edges: all zero, too small for a normal fp16 scale, values at half a step;
+    each dequantized value is within half a step of the weight."""
+    import torch
+
+    from clef_flash.backbone.quantize import SCALE_FLOOR, Scheme, dequantize, quantize_np, quantize_torch
+
+    sch = Scheme(bits, 32)
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((24, 128)) * 0.02).astype(np.float32)
+    w[0, :32] = 0.0  # an all-zero block: the scale floor, codes 0
+    w[1, :32] *= 1e-4  # absmax / qmax below 2**-14: floored, never an fp16 subnormal
+    w[2, :32] = 0.0
+    w[2, :4] = np.array([0.5, 1.5, 2.5, 3.5], dtype=np.float32) * 2.0 ** -8  # values at exactly half a step
+    w[2, 31] = sch.qmax * 2.0 ** -8  # so the block's scale is exactly 2**-8
+    codes_t, scales_t = quantize_torch(torch.from_numpy(w), sch)
+    codes_n, scales_n = quantize_np(w, sch)
+    assert np.array_equal(codes_t.numpy(), codes_n) and np.array_equal(scales_t.numpy().view(np.uint16), scales_n.view(np.uint16))
+    assert scales_n.dtype == np.float16 and float(scales_n.min()) >= SCALE_FLOOR
+    assert not codes_n[0, :32].any() and np.abs(codes_n).max() <= sch.qmax
+    deq = dequantize(codes_n, scales_n, sch).astype(np.float32)
+    step = np.repeat(scales_n.astype(np.float32), 32, axis=1)
+    assert np.all(np.abs(deq - w) <= step / 2 + np.abs(w) * 2.0 ** -11 + 1e-12)
+    # rounding half to even on exact halves
+    assert float(scales_n[2, 0]) == 2.0 ** -8
+    assert list(codes_n[2, :4]) == [0, 2, 2, 4]
+
+
+def test_int4_packing_is_coreai_torchs_and_the_op_is_our_dequantize():
+    """Our int4 packing equals coreai-torch's own (the bytes its converter writes), unpacking
+    returns the codes, and coreai-torch's blockwise op computes our dequantize bit for bit."""
+    import torch
+
+    import coreai_torch._compression.custom_layers  # noqa: F401
+    from coreai_torch._compression._intx import pack_intx
+
+    from clef_flash.backbone.quantize import Scheme, dequantize, pack_int4, pack_int4_torch, quantize_np, unpack_int4
+
+    rng = np.random.default_rng(1)
+    codes = rng.integers(-7, 8, size=(16, 64)).astype(np.int8)
+    theirs = pack_intx(torch.from_numpy(codes), 4).numpy()
+    assert np.array_equal(pack_int4(codes), theirs) and np.array_equal(pack_int4_torch(torch.from_numpy(codes)).numpy(), theirs)
+    assert np.array_equal(unpack_int4(theirs, codes.size).reshape(codes.shape), codes)
+    for bits in (8, 4):
+        sch = Scheme(bits, 32)
+        q, s = quantize_np((rng.standard_normal((16, 64)) * 0.05).astype(np.float32), sch)
+        op = torch.ops.coreai.constexpr_blockwise_shift_scale(torch.from_numpy(q), torch.from_numpy(s), None, None,
+                                                              torch.int4 if bits == 4 else torch.int8)
+        assert op.dtype == torch.float16
+        assert np.array_equal(op.numpy().view(np.uint16), dequantize(q, s, sch).view(np.uint16))
+
+
+def test_recipes_check_the_scheme(tmp_path):
+    bad = {'weights = "int8"\nblock = 31\n': "block 31 must be even",
+           'weights = "fp16"\nfp16_layers = [1]\n': "fp16_layers and plan are for compressed weights",
+           'weights = "int8"\nfp16_layers = [-1]\n': "layer indices",
+           'weights = "int8"\nfp16_layers = [0]\nplan = "p.json"\n': "not both",
+           'weights = "int3"\n': "weights"}
+    for body, why in bad.items():
+        p = tmp_path / "r.toml"
+        p.write_text(f'model = "backbone"\nname = "x"\nchunk = 16\ncontext = 128\n{body}')
+        res = runner.invoke(app, ["build", str(p), "--dry-run", "--source", str(tmp_path)])
+        assert res.exit_code == 2 and why in res.output, (body, res.output)
+    for name in ("backbone_pf64_int8.toml", "backbone_pf64_int8w32.toml", "backbone_pf64_int4.toml"):
+        from clef_flash.recipe import load_recipe
+
+        r = load_recipe(ROOT / "conversion" / name)
+        assert r.scheme is not None and r.scheme.block == 32 and r.experimental == (r.weights == "int4")
+
+
+# ---------------------------------------------------------------- built and gated
+
+
+def test_compressed_builds_say_what_was_compressed(built, release):
+    from clef_flash.backbone.manifest import BackboneManifest
+
+    for key, bundle in built.items():
+        m = BackboneManifest.model_validate_json((bundle / "metadata.json").read_text())
+        c = m.export.compression
+        assert c is not None and m.export.weights == ("int4" if key == "int4" else "int8") and c.block == 32
+        assert c.experimental == (key == "int4")
+        assert c.fp16_layers == ([0] if key == "int8-l0" else [])
+        kinds = {entry.layer: entry.weights for entry in c.layers}
+        assert kinds == {i: ("fp16" if key == "int8-l0" and i == 0 else m.export.weights) for i in range(4)}
+        assert c.compressed_tensors == (23 if key == "int8-l0" else 31)  # 8 linears in each linear layer, 7 in the full one
+        assert c.other["tensors"] == 4  # the embedding and three conv1d weights stay fp16
+        assert c.implied_bytes == sum(entry.bytes for entry in c.layers) + c.other["bytes"]
+        assert c.implied_bytes < m.export.weight_fp16_bytes
+        s = json.loads((bundle / "build-record.json").read_text())["verify"]
+        assert s["ok"] and s["quantization"]["rel_max_abs_d"] > 0
+        assert set(s["red"]) == {"state_reset", "positions_late", "scales_shifted", "codes_transposed"}
+        bars = s["bars"]["rel_max_abs_d"]
+        assert all(v > bars for v in s["red"].values()) and all(r["rel_max_abs_d"] <= bars for r in s["records"].values())
+    # gate (a) at fp32 compute: the runtime is exact to fp32 rounding on the asset's own weights, while
+    # the quantization's own cost is orders larger (what the split is for)
+    s = json.loads((built["int8w32"] / "build-record.json").read_text())["verify"]
+    worst = max(r["rel_max_abs_d"] for r in s["records"].values())
+    assert worst < 1e-5 < s["quantization"]["rel_max_abs_d"]
+
+
+def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path):
+    """Codes and scales written into main.mlirb while it is written (streamed) = the same program
+    converted with every value in hand, byte for byte; the converter's own route (its copies of
+    every value) holds the same blobs (it writes the smallest constants inline). At context 1024 the
+    filled file's offsets section grew past the resource section's alignment, which the small
+    file's writer had left undeclared: the runtime refused the file until inflate declared it."""
+    from clef_flash.backbone.contract import read_text_config, weight_names
+    from clef_flash.backbone.export import export_job
+    from clef_flash.backbone.quantize import Scheme, compressed_names
+    from clef_flash.formats.mlirb import blob_sha256, blobs
+
+    cfg = read_text_config(release)
+    for bits, compute, context in ((8, "fp32", 1024), (4, "fp16", 64)):
+        names = compressed_names(weight_names(cfg), Scheme(bits, 32), [1])
+        digests = {}
+        for route, job_extra in (("own", {"buffers": False}), ("held", {"stream": False}), ("streamed", {})):
+            d = tmp_path / f"{bits}-{route}"
+            d.mkdir()
+            job = {"source": str(release), "asset_dir": str(d / "a.aimodel"), "text_config": cfg.as_dict(), "chunk": 64 if context > 64 else 16,
+                   "context": context, "compute": compute, "description": {"author": "t", "license": "t", "description": "t"},
+                   "quantization": {"bits": bits, "block": 32, "tensors": names}, **job_extra}
+            export_job(job, lambda m: None)
+            path = d / "a.aimodel" / "main.mlirb"
+            with open(path, "rb") as fh:
+                digests[route] = (hashlib.sha256(path.read_bytes()).hexdigest(), {blob_sha256(fh, b) for b in blobs(path)})
+        assert digests["streamed"] == digests["held"], bits
+        assert digests["own"][1] <= digests["streamed"][1], bits
+
+
+def _found(bundle: Path, release: Path):
+    from clef_flash.backbone.asset_weights import compare
+    from clef_flash.backbone.contract import read_text_config, weight_names
+    from clef_flash.backbone.manifest import BackboneManifest
+    from clef_flash.backbone.weights import locate
+    from clef_flash.gate.backbone import compression_of
+
+    m = BackboneManifest.model_validate_json((bundle / "metadata.json").read_text())
+    text = read_text_config(release)
+    scheme, names = compression_of(m, text)
+    mlirb = next(bundle.glob("*.aimodel")) / "main.mlirb"
+    return lambda path: compare(path, release, locate(release, weight_names(text)), m.export.compute == "fp32",
+                                scheme=scheme, compressed=names), mlirb
+
+
+@pytest.mark.parametrize("key", ["int8w32", "int4"])
+def test_a_changed_code_or_scale_is_named(built, release, tmp_path, key):
+    check, mlirb = _found(built[key], release)
+    report = check(mlirb)
+    assert report.ok and len(report.found) == 31
+    name = sorted(report.found)[5]
+    for part in ("codes", "scales"):
+        copy = tmp_path / f"{part}.mlirb"
+        shutil.copy(mlirb, copy)
+        blob = getattr(report.found[name], part)
+        with open(copy, "r+b") as fh:
+            fh.seek(blob.start + blob.size // 2)
+            byte = fh.read(1)
+            fh.seek(blob.start + blob.size // 2)
+            fh.write(bytes([byte[0] ^ 0x01]))
+        bad = check(copy)
+        assert not bad.ok and bad.missing == [name], part
+        assert name in bad.checks()[0][2]
+
+
+def test_the_quantization_red_arms_must_fail(built, release, monkeypatch):
+    """A gate whose reference could not see a misread layout fails: the red arms read the codes and
+    scales correctly here (the arm disabled), so they pass the bar, and the gate must say so."""
+    import clef_flash.backbone.asset_weights as aw
+    from clef_flash.gate.backbone import BackboneVerifyConfig, verify_backbone
+
+    real = aw.dequantized
+    monkeypatch.setattr(aw, "dequantized", lambda mlirb, f, scheme, red=None: real(mlirb, f, scheme, None))
+    report = verify_backbone(BackboneVerifyConfig(bundle=built["int8w32"], source=release,
+                                                  pins_path=release / "pins.json", long_record=40))
+    assert not report.ok
+    assert any("red arm scales_shifted" in f and "passes the bar" in f for f in report.failures)
+    assert any("red arm codes_transposed" in f for f in report.failures)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_plan_weights_chooses_a_minimal_set_and_the_build_takes_it(release, tmp_path):
+    """On a budget the all-int8 model misses, the plan keeps the fewest layers fp16 that meet it, the
+    chosen set less its most sensitive layer misses it (the proof), and a build from the plan keeps
+    exactly those layers fp16 and names the plan; a plan for another scheme or release is refused."""
+    from clef_flash.backbone.plan import WeightPlan
+
+    recipe = _recipe(tmp_path, "int8", "fp32")
+    plan_file = tmp_path / "plan.json"
+    res = runner.invoke(app, ["plan-weights", str(release), "--recipe", str(recipe), "--out", str(plan_file),
+                              "--budget-dp", "2e-4", "--records", "8", "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    plan = WeightPlan.model_validate_json(plan_file.read_text())
+    assert json.loads(res.stdout)["chosen"] == plan.chosen
+    assert sorted(plan.ranking) == [0, 1, 2, 3] and len(plan.layers) == 4
+    assert plan.trials[0].fp16_layers == [] and not plan.trials[0].passes  # all int8 misses 2e-4
+    assert 1 <= len(plan.chosen) < 4 and plan.met and plan.minimal
+    chosen = next(t for t in plan.trials if t.fp16_layers == plan.chosen)
+    assert chosen.passes and chosen.max_abs_dp <= 2e-4
+    assert plan.proof is not None and not plan.proof.passes
+    assert plan.proof.fp16_layers == sorted(plan.ranking[1:len(plan.chosen)])
+    assert plan.bytes["all_compressed"] < plan.bytes["chosen"] < plan.bytes["fp16"]
+    # the ranking is by each layer's end-to-end effect alone
+    alone = {entry.layer: entry.alone_max_abs_dp for entry in plan.layers}
+    assert [alone[i] for i in plan.ranking] == sorted(alone.values(), reverse=True)
+
+    from_plan = _recipe(tmp_path, "int8", "fp32", extra=f'plan = "{plan_file.name}"\n')
+    res = runner.invoke(app, ["build", str(from_plan), "--source", str(release), "--out", str(tmp_path / "b"),
+                              "--no-verify", "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    c = json.loads(res.stdout)["export"]["compression"]
+    assert c["fp16_layers"] == plan.chosen and c["plan"]["chosen"] == plan.chosen
+    assert c["plan"]["sha256"] == hashlib.sha256(plan_file.read_bytes()).hexdigest()
+    assert {e["layer"] for e in c["layers"] if e["weights"] == "fp16"} == set(plan.chosen)
+
+    other_scheme = _recipe(tmp_path, "int4", "fp32", extra=f'plan = "{plan_file.name}"\n')
+    res = runner.invoke(app, ["build", str(other_scheme), "--source", str(release), "--out", str(tmp_path / "c"), "--dry-run"])
+    assert res.exit_code == 2 and "a plan for int8 per block of 32" in res.output
+    data = json.loads(plan_file.read_text())
+    data["release"]["files"]["config.json"] = "0" * 64
+    (tmp_path / "foreign.json").write_text(json.dumps(data))
+    foreign = _recipe(tmp_path, "int8", "fp32", extra='plan = "foreign.json"\n')
+    res = runner.invoke(app, ["build", str(foreign), "--source", str(release), "--out", str(tmp_path / "d"), "--dry-run"])
+    assert res.exit_code == 3 and "measured on another release" in res.output
+    res = runner.invoke(app, ["plan-weights", str(release), "--recipe", str(ROOT / "conversion" / "backbone_pf64_fp16.toml"),
+                              "--out", str(tmp_path / "x.json")])
+    assert res.exit_code == 2 and "compressed backbone recipe" in res.output
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_release_and_check_release_through_a_compressed_backbone(release, tmp_path, monkeypatch):
+    """`release` of the head and an int8 backbone (fp32 compute; each gated), then tokenizer -> the
+    dist's int8 asset -> its head asset, against the author's systemone: the quantization's cost end
+    to end, measured against the published port's bar (0.02); the model card states the precision,
+    the layers kept fp16 and both gate figures."""
+    import sys
+
+    from clef_flash.release.card import model_card, read_dist
+
+    from .conftest import TINY_RECIPE
+
+    recipe = _recipe(tmp_path, "int8", "fp32", chunk=64, context=1024, extra="fp16_layers = [3]\n")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin:" + str(Path(sys.executable).parent))  # no xcrun: AOT skipped
+    dist = tmp_path / "dist"
+    res = runner.invoke(app, ["release", str(TINY_RECIPE), str(recipe), "--source", str(release), "--dist", str(dist), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    head, bb = json.loads(res.stdout)["bundles"]
+    lines = (ROOT / "conversion" / "requests.jsonl").read_text().splitlines()[:6]
+    (tmp_path / "req.jsonl").write_text("\n".join(lines) + "\n")
+    res = runner.invoke(app, ["check-release", str(release), "--bundle", str(dist / head), "--backbone", str(dist / bb),
+                              "--requests", str(tmp_path / "req.jsonl"), "--transcript", str(tmp_path / "t.json"), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    s = json.loads(res.stdout)
+    assert s["bar"] == 0.02 and s["mean_bar"] == 0.002 and s["disagreements"] == 0
+    assert s["backbone"]["weights"] == "int8"
+    assert 1e-5 < s["max_abs_dp"] < 0.02  # more than the fp16 backbone's exactness: the quantization, measured
+    card = model_card(read_dist(dist), json.loads((tmp_path / "t.json").read_text()))
+    assert "Precision: weights int8 (symmetric, per block of 32" in card and "kept fp16: layers [3]" in card
+    assert "The quantization's own cost, the asset against the uncompressed release: relative max |d|" in card
+    assert "| backbone weights | int8 |" in card
+    assert "Experimental" not in card
+
+
+def test_weight_plan_schema_is_in_sync():
+    from clef_flash.backbone.plan import json_schema
+
+    checked_in = json.loads((ROOT / "manifests" / "weight-plan.schema.json").read_text())
+    assert checked_in == json_schema(), "run `clef-export schema --kind weight-plan > manifests/weight-plan.schema.json`"
