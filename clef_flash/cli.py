@@ -402,7 +402,7 @@ def plan_weights_cmd(
     human = _human(json_out)
     if json_out:
         _emit_json(plan.model_dump(mode="json"))
-    last = next(t for t in plan.trials if t.fp16_layers == plan.chosen) if plan.chosen or plan.trials else None
+    last = next((t for t in plan.trials if t.fp16_layers == plan.chosen), None)
     b = plan.bytes
     human.print(f"[bold green]planned[/] {escape(str(out))}: keep {plural(len(plan.chosen), 'layer')} fp16 "
                 f"({plan.chosen or 'none'}) of {len(plan.ranking)} ranked; "

@@ -24,7 +24,8 @@ runner = CliRunner()
 
 
 def _recipe(tmp: Path, weights: str, compute: str, chunk: int = 16, context: int = 128, extra: str = "") -> Path:
-    p = tmp / f"backbone_{weights}_{compute}_{chunk}_{context}_{abs(hash(extra)) % 1000}.toml"
+    # a name per distinct recipe (str hash() is seeded per process)
+    p = tmp / f"backbone_{weights}_{compute}_{chunk}_{context}_{hashlib.sha256(extra.encode()).hexdigest()[:8]}.toml"
     p.write_text(f'model = "backbone"\nname = "{{release}}_decode_{weights}_{compute}_pf{chunk}"\nchunk = {chunk}\n'
                  f'context = {context}\nweights = "{weights}"\ncompute = "{compute}"\n{extra}')
     return p

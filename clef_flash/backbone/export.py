@@ -115,7 +115,7 @@ def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None, p
         return cls(view, unpacked.shape, nbits)  # the packed bytes' own view: nothing read
 
     def from_buffer(self, tensor):
-        if hasattr(tensor, "elem") and isinstance(tensor, _intx.IntxTensor) and tensor.elem.data_ptr() in streamed:
+        if isinstance(tensor, _intx.IntxTensor) and tensor.elem.data_ptr() in streamed:
             key, dtype, raw = tensor.elem.data_ptr(), torch.int4, tensor.elem
         else:
             plain = type(tensor) is torch.Tensor and not hasattr(tensor, "future_dtype")
@@ -253,4 +253,4 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     fp16_bytes = weights.fp16_bytes
     weights.close()
     return {"weights": t_weights, "trace": t_trace, "convert": t_convert, "save": t_save,
-            "weight_fp16_bytes": fp16_bytes, "asset_weight_bytes": weights.asset_weight_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k)}
+            "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k)}

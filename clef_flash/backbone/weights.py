@@ -107,6 +107,11 @@ def _pwrite(fd: int, data, off: int) -> None:
         data, off = data[written:], off + written
 
 
+def _slot(nbytes: int) -> int:
+    """Bytes a tensor of ``nbytes`` takes in the scratch file (each starts 64-byte aligned)."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def scratch_bytes(infos: dict[str, TensorInfo], scheme=None, compressed=()) -> int:
     """Bytes of the scratch file for these tensors (2-D and larger ones): fp16, or a compressed
     tensor's int8 codes slot and fp16 scales."""
@@ -116,9 +121,9 @@ def scratch_bytes(infos: dict[str, TensorInfo], scheme=None, compressed=()) -> i
             continue
         n = int(np.prod(t.shape))
         if scheme is not None and t.name in compressed:
-            total += -(-n // _ALIGN) * _ALIGN + -(-int(np.prod(scheme.scale_shape(t.shape))) * 2 // _ALIGN) * _ALIGN
+            total += _slot(n) + _slot(scheme.scale_bytes(t.shape))
         else:
-            total += -(-n * 2 // _ALIGN) * _ALIGN
+            total += _slot(n * 2)
     return total
 
 
@@ -197,7 +202,6 @@ class Fp16Weights:
         self.scales: dict[str, np.ndarray] = {}  # name -> fp16 [out, in / block] view
         self._slots: dict[tuple[str, str], tuple[int, int]] = {}  # (name, part) -> (offset, stored bytes)
         self._quantized: set[str] = set()  # streamed tensors whose codes and scales are computed
-        self.asset_weight_bytes = 0  # what the scheme implies main.mlirb holds: codes + scales + fp16 rest
         size = max(scratch_bytes(infos, scheme, self.compressed), _ALIGN)
         fd, path = tempfile.mkstemp(prefix=".clef-weights-", suffix=".f16", dir=scratch_dir)
         try:
@@ -218,14 +222,13 @@ class Fp16Weights:
                 if name in self.compressed:  # the compiler folds no blockwise op: streamed at any size
                     at = self._lay_out_codes(t, fd, at, k, streamed)
                     continue
-                self.asset_weight_bytes += n * 2
                 if streamed and n > FOLD_MAX_VALUES:
                     self.streamed[name] = t
                 else:
                     self._convert(t, fd, at, k)  # written with pwrite: no page fault per page of the mapping
                 self.arrays[name] = np.frombuffer(self._map, dtype=np.float16, count=n, offset=at).reshape(t.shape)
                 self.fp16_bytes += n * 2
-                at += -(-n * 2 // _ALIGN) * _ALIGN
+                at += _slot(n * 2)
         finally:
             os.close(fd)
         log(f"{plural(len(infos), 'tensor')}, {self.fp16_bytes:,} fp16 bytes laid out"
@@ -237,18 +240,15 @@ class Fp16Weights:
         now, or when ``main.mlirb`` is written (``streamed``)."""
         sch = self.scheme
         n = int(np.prod(t.shape))
-        codes_at = at
-        at += -(-n // _ALIGN) * _ALIGN
         scale_shape = sch.scale_shape(t.shape)
-        scales_at = at
-        at += -(-int(np.prod(scale_shape)) * 2 // _ALIGN) * _ALIGN
+        codes_at, scales_at = at, at + _slot(n)
+        at = scales_at + _slot(sch.scale_bytes(t.shape))
         self._slots[(t.name, "codes")] = (codes_at, sch.code_bytes(t.shape))
         self._slots[(t.name, "scales")] = (scales_at, sch.scale_bytes(t.shape))
         self.codes[t.name] = np.frombuffer(self._map, dtype=np.int8, count=n, offset=codes_at).reshape(t.shape)
         self.scales[t.name] = np.frombuffer(self._map, dtype=np.float16, count=int(np.prod(scale_shape)),
                                             offset=scales_at).reshape(scale_shape)
         self.fp16_bytes += n * 2
-        self.asset_weight_bytes += sch.code_bytes(t.shape) + sch.scale_bytes(t.shape)
         if streamed:
             self.streamed[t.name] = t
         else:  # small: the codes unpacked (the converter packs int4 itself), both written now

@@ -147,30 +147,21 @@ def compression_section(p: Plan, mlirb_bytes: int) -> Compression | None:
     scheme, compressed = p.extra["scheme"], set(p.extra["compressed"])
     if scheme is None:
         return None
-    layers: dict[int, list] = {}
-    other = {"tensors": 0, "bytes": 0}
-    for t in p.extra["infos"].values():
-        if len(t.shape) < 2:
-            continue
-        size = scheme.code_bytes(t.shape) + scheme.scale_bytes(t.shape) if t.name in compressed else math.prod(t.shape) * 2
-        layer = layer_of(t.name)
-        if layer is None:
-            other["tensors"] += 1
-            other["bytes"] += size
-            continue
-        entry = layers.setdefault(layer, [0, 0, 0])
-        entry[0] += 1
-        entry[1] += size
-        entry[2] += t.name in compressed
+    groups: dict[int | None, dict] = {}  # decoder layer (None: outside the layers' linears) -> its 2-D+ tensors
+    for name, t in p.extra["infos"].items():
+        if len(t.shape) >= 2:
+            groups.setdefault(layer_of(name), {})[name] = t
+    other = groups.pop(None, {})
     implied = p.extra["implied"]
     return Compression(
         bits=scheme.bits, block=scheme.block, scale_floor=SCALE_FLOOR,
         op="coreai.blockwise_shift_scale (torch.ops.coreai.constexpr_blockwise_shift_scale): fp16(scale * code)",
         experimental=p.cfg.recipe.experimental, fp16_layers=list(p.extra["fp16_layers"]), plan=p.extra["plan_ref"],
         compressed_tensors=len(compressed),
-        layers=[LayerWeights(layer=i, weights=scheme.weights if n_c else "fp16", tensors=n, bytes=b)
-                for i, (n, b, n_c) in sorted(layers.items())],
-        other=other, implied_bytes=implied, mlirb_over_implied=round(mlirb_bytes / max(implied, 1), 6))
+        layers=[LayerWeights(layer=i, weights=scheme.weights if compressed & set(g) else "fp16", tensors=len(g),
+                             bytes=asset_bytes(g, scheme, compressed)) for i, g in sorted(groups.items())],
+        other={"tensors": len(other), "bytes": asset_bytes(other, scheme, compressed)},
+        implied_bytes=implied, mlirb_over_implied=round(mlirb_bytes / max(implied, 1), 6))
 
 
 def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:

@@ -131,10 +131,9 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     def probs(rows: list[np.ndarray]) -> list[np.ndarray]:
         out_p = []
         with torch.inference_mode():
-            for e, h in zip(encoded, rows, strict=True):
-                n = len(e.input_ids)
-                logits = head(torch.from_numpy(np.ascontiguousarray(h))[None], torch.from_numpy(records[len(out_p)])[None],
-                              torch.ones(1, n, dtype=torch.long), [e], table)[0]
+            for e, ids, h in zip(encoded, records, rows, strict=True):
+                logits = head(torch.from_numpy(np.ascontiguousarray(h))[None], torch.from_numpy(ids)[None],
+                              torch.ones(1, len(ids), dtype=torch.long), [e], table)[0]
                 out_p.append(np.concatenate([q.float().softmax(-1).numpy() for q in logits]))
         return out_p
 

@@ -323,7 +323,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         mlirb = asset / "main.mlirb"
         refs: dict[str, tuple] = {"main": (None, list(records))}
         if scheme is not None:
-            refs = {"main": (lambda n, red=None: _dequantized(mlirb, found, scheme, n, red), list(records)),
+            refs = {"main": (lambda n: _dequantized(mlirb, found, scheme, n), list(records)),
                     REPORTED: (None, list(records))}
             if cfg.red:
                 state_record = red_on["state_reset"]
