@@ -262,21 +262,23 @@ def synth_release(
     size: Annotated[Optional[str], typer.Option("--size", help="9b: the 9B's text configuration at real width, written "
                                                 "streamed (random bf16, 2 GiB shards, the real head configuration).")] = None,
     layers: Annotated[Optional[int], typer.Option("--layers", help="With --size: only the first N layers (4: 3 linear + 1 full).")] = None,
+    vision: Annotated[bool, typer.Option("--vision", help="With --size: the 9B's vision tower too (27 blocks, 456M parameters, random bf16) and its preprocessor_config.json.")] = False,
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Write a random release in clef-finetune's layout: tiny (make-tiny's head configuration), or at real width (--size)."""
     from .head.synth import MAKE_TINY_HEAD, OTHER_HEAD, VARIANTS, write_release
     from .sources.author import require_author_code
 
-    if size is not None or layers is not None:
+    if size is None and (layers is not None or vision):
+        err.print(f"[bold red]error:[/] {'--layers' if layers is not None else '--vision'} needs --size "
+                  f"(the tiny release always has its tiny tower)")
+        raise typer.Exit(2)
+    if size is not None:
         from .backbone.synth import write_wide_release
 
-        if size is None:
-            err.print("[bold red]error:[/] --layers needs --size")
-            raise typer.Exit(2)
         code = _run(lambda: require_author_code(author_code))
         _run(lambda: write_wide_release(out_dir, size=size, layers=layers, seed=seed, author_code=code,
-                                        overwrite=overwrite, log=_log))
+                                        overwrite=overwrite, log=_log, vision=vision))
         err.print(f"random {size} release{f' ({layers} layers)' if layers else ''}, seed {seed}, in {out_dir}; "
                   f"pin it with clef-export pin {out_dir}")
         return

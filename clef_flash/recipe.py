@@ -179,10 +179,45 @@ class BackboneRecipe(BaseModel):
         return self.verify.long_record or self.context - self.chunk + 1
 
 
-AnyRecipe = Recipe | BackboneRecipe
+class VisionVerifyPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    enabled: bool = True
+    seed: int = 0
+    # every bucket runs its image where the tower has at most this many parameters; above it, the
+    # smallest bucket only (a real-shape tower call takes minutes on the Linux CPU runtime)
+    all_buckets_max_parameters: int = Field(default=50_000_000, ge=0)
+    # the numeric gate runs at all up to this size (fp16 arithmetic on the Linux CPU runtime is
+    # usable at tiny size only: the fp16 recipe's value is small)
+    numeric_max_parameters: int = Field(default=2_000_000_000, ge=0)
 
 
-MODELS = {"head": Recipe, "backbone": BackboneRecipe}  # a recipe's ``model`` -> its schema
+class VisionRecipe(BaseModel):
+    """A vision recipe: the release's tower, one static function per bucket of vision tokens."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model: Literal["vision"]
+    name: str = Field(pattern=r"^(\{release\}|[A-Za-z0-9])[A-Za-z0-9_.-]*$")
+    # merged vision tokens per function (the processor's N = (h / 32) (w / 32)); the last is the cap
+    buckets: tuple[int, ...] = (64, 256, 1024)
+    weights: Literal["fp16"] = "fp16"
+    compute: Literal["fp16", "fp32"] = "fp32"
+    verify: VisionVerifyPlan = VisionVerifyPlan()
+
+    _plain_name = field_validator("name")(Recipe._plain_name.__func__)  # type: ignore[attr-defined]
+    _increasing = field_validator("buckets")(Recipe._increasing.__func__)  # type: ignore[attr-defined]
+
+    @property
+    def cap(self) -> int:
+        return self.buckets[-1]
+
+    def bundle_name(self, release: str) -> str:
+        return self.name.replace(RELEASE, release)
+
+
+AnyRecipe = Recipe | BackboneRecipe | VisionRecipe
+
+
+MODELS = {"head": Recipe, "backbone": BackboneRecipe, "vision": VisionRecipe}  # a recipe's ``model`` -> its schema
 
 
 def load_recipe(path: Path | None) -> AnyRecipe:

@@ -105,6 +105,7 @@ def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None, p
     original = TorchConverter._constant_from_tensor
     original_unpacked = _intx.IntxTensor.from_unpacked.__func__
     made = Resources()
+    seen: dict = {}
     streamed = streamed or {}
     packed = packed or {}
 
@@ -115,6 +116,13 @@ def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None, p
         return cls(view, unpacked.shape, nbits)  # the packed bytes' own view: nothing read
 
     def from_buffer(self, tensor):
+        # the same tensor asked again (another entrypoint of a multi-function program) is the same
+        # resource: one blob, one placeholder
+        base = tensor.elem if isinstance(tensor, _intx.IntxTensor) else tensor
+        ident = (type(tensor).__name__, base.data_ptr(), tuple(tensor.shape), str(tensor.dtype)) \
+            if isinstance(base, torch.Tensor) and base.numel() else None
+        if ident is not None and ident in seen:
+            return coreai.ConstantOp(value=seen[ident]).result
         if isinstance(tensor, _intx.IntxTensor) and tensor.elem.data_ptr() in streamed:
             key, dtype, raw = tensor.elem.data_ptr(), torch.int4, tensor.elem
         else:
@@ -135,6 +143,8 @@ def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None, p
             data = raw.detach().numpy()
         attr = DenseResourceElementsAttr.get_from_buffer(
             data, name, tc.get_tensor_type(tensor, self._location, dtype=dtype), alignment=RESOURCE_ALIGNMENT)
+        if ident is not None:
+            seen[ident] = attr
         return coreai.ConstantOp(value=attr).result
 
     TorchConverter._constant_from_tensor = from_buffer

@@ -19,10 +19,10 @@ from types import ModuleType
 from ..bundle import atomic_write_json, output_lock, staged_dir
 from ..errors import ClefError
 from ..layout import RECORD_FILE
-from . import backbone, head
+from . import backbone, head, vision
 from .config import BuildConfig, BuildResult, Plan, bundle_name
 
-MODELS: dict[str, ModuleType] = {m.MODEL: m for m in (head, backbone)}
+MODELS: dict[str, ModuleType] = {m.MODEL: m for m in (head, backbone, vision)}
 
 __all__ = ["MODELS", "BuildConfig", "BuildResult", "Plan", "build", "bundle_name", "plan", "steps"]
 

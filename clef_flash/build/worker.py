@@ -8,10 +8,10 @@ import os
 import sys
 
 from ..errors import ClefError, OutputError
-from . import backbone, head
+from . import backbone, head, vision
 from .process import PARENT_ENV, root_cause
 
-JOBS = {m.MODEL: m.export_job for m in (head, backbone)}
+JOBS = {m.MODEL: m.export_job for m in (head, backbone, vision)}
 
 
 def _main(job_text: str) -> int:

@@ -18,9 +18,9 @@ from typing import Any
 from ..data import default_pins
 from ..errors import IntegrityError, UsageError
 from ..layout import MANIFEST_FILE
-from . import backbone, head
+from . import backbone, head, vision
 
-MODELS: dict[str, ModuleType] = {m.KIND: m for m in (head, backbone)}
+MODELS: dict[str, ModuleType] = {m.KIND: m for m in (head, backbone, vision)}
 
 
 @dataclass(frozen=True)

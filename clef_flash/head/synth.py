@@ -272,6 +272,13 @@ OTHER_TEXT: dict = {"hidden_size": 96, "intermediate_size": 160, "num_hidden_lay
 OTHER_HEAD: dict[str, int] = {**{"hidden_size": 96, "width": 32, "routing_layers": 1, "layers": 1, "heads": 2,
                                  "feedforward": 64}}
 VARIANTS = {"tiny": (None, None), "other": (OTHER_TEXT, "200KB")}
+# Qwen3.5's image processor configuration (patch 16, merge 2, two frames, mean = std = 0.5, bicubic,
+# 256^2 ... 4096^2 pixels), as a release ships it beside its tower
+PREPROCESSOR: dict = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
+                      "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+                      "image_std": [0.5, 0.5, 0.5], "resample": 3, "do_resize": True, "do_rescale": True,
+                      "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True,
+                      "size": {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}}
 
 
 def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int, text: dict | None = None,
@@ -312,3 +319,4 @@ def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int, 
                 norm[d] = norm[d] + OUTLIER_SCALE
     model.to(torch.bfloat16).save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(folder)
+    (Path(folder) / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2, sort_keys=True) + "\n")

@@ -37,6 +37,8 @@ BACKBONE_CONFIG = "config.json"
 # the tokenizer files a backbone bundle ships (those the release has)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
+# the image processor's configuration, which a vision build reads (the release has it when it has a tower)
+PROCESSOR_FILES = ("preprocessor_config.json",)
 TINY_MARKER = "TINY_RANDOM_MODEL.txt"
 # what the release record keeps of CLEF_FINETUNE.json
 PROVENANCE_KEYS = ("tool", "base_model", "checkpoint", "dtype", "head_dtype", "joint_schema_model_sha256")
@@ -134,7 +136,7 @@ def pin_local(folder: Path, out: Path | None = None, *, name: str | None = None,
     else:
         release["lm_head_file"] = None  # tied embeddings or no checkpoint: lm-head-table will say so
     # the backbone: its config, every shard (a backbone build reads them all) and the tokenizer files
-    for f in (BACKBONE_CONFIG, *TOKENIZER_FILES, *LICENSE_FILES):
+    for f in (BACKBONE_CONFIG, *TOKENIZER_FILES, *PROCESSOR_FILES, *LICENSE_FILES):
         if (folder / f).is_file():
             files[f] = sha256_file(folder / f)
     shards = sorted(set(index["weight_map"].values())) if isinstance(index, dict) and isinstance(index.get("weight_map"), dict) \
@@ -166,7 +168,8 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
     out = Path(out)
     check_output_path(out, overwrite)
     where = f"{hf_id}@{revision[:12]}"
-    infos = _paths_info(hf_id, revision, [*HEAD_FILES, INDEX_FILE, SINGLE_FILE, BACKBONE_CONFIG, *TOKENIZER_FILES, *LICENSE_FILES],
+    infos = _paths_info(hf_id, revision, [*HEAD_FILES, INDEX_FILE, SINGLE_FILE, BACKBONE_CONFIG, *TOKENIZER_FILES, *PROCESSOR_FILES,
+                                                    *LICENSE_FILES],
                         where)
     files: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="clef-pin-") as cache:
@@ -204,7 +207,7 @@ def pin_hub(hf_id: str, revision: str, out: Path, *, name: str | None = None, tr
             if shard not in infos:
                 raise IntegrityError(f"{where}/{shard}: named for {LM_HEAD} but not in the repo")
             files[shard] = _lfs_sha256(infos[shard]) or sha256_bytes(small(shard))
-        for f in (BACKBONE_CONFIG, *TOKENIZER_FILES, *LICENSE_FILES):  # small git files: blob sha1 checked
+        for f in (BACKBONE_CONFIG, *TOKENIZER_FILES, *PROCESSOR_FILES, *LICENSE_FILES):  # small git files: blob sha1 checked
             if f in infos:
                 files[f] = _lfs_sha256(infos[f]) or sha256_bytes(small(f))
     log(f"pinned {plural(len(files), 'file')} of {where}")

@@ -1,0 +1,181 @@
+"""``build`` of a vision recipe: plan -> staged bundle -> export worker -> manifest -> build record
+-> gate -> rename into place.
+
+The plan checks everything cheap first: the pins, every file the build reads against them
+(``config.json``, ``preprocessor_config.json``, the shards), the tower's configuration, the
+preprocessing against the tower (patch, merge, frames), the tensors' shapes (headers only), the
+output path and the free space. A fine-tune usually keeps its base's tower: the bytes are proven,
+never assumed (the shards' sha256 against the pins, every weight blob against the release).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from ..bundle import atomic_write_json, check_free_space, check_output_path
+from ..digest import sha256_file, tree_bytes, tree_files
+from ..errors import IntegrityError, UsageError
+from ..formats import aimodel
+from ..layout import MANIFEST_FILE
+from ..manifest import Compilation, FileDigest, LocalOrigin
+from ..sources.pinning import BACKBONE_CONFIG
+from ..sources.pins import load_pins
+from ..sources.safetensors import INDEX_FILE, shard_files
+from ..provenance import asset_description, build_date, build_record
+from ..backbone.files import BackgroundHashes, check_pinned, verify_files
+from ..backbone.manifest import BackboneSource, TensorSpec
+from ..backbone.weights import locate, scratch_bytes
+from ..vision.contract import (INPUT_ORDER, KIND, OUTPUT_NAMES, PREPROCESSOR_CONFIG, VisionConfig, function_name,
+                               input_dtypes, input_shapes, read_preprocessing, read_vision_config, weight_names)
+from ..vision.manifest import (HOST_CALL, METADATA_VERSION, PREPROCESS_RULE, Function, Preprocess, Tower, VisionExport,
+                               VisionInterface, VisionManifest)
+from ..gate.vision import VisionVerifyConfig, tolerances, verify_vision
+
+from .config import BuildConfig, Made, Plan, bundle_name
+from .process import run_export
+from ..progress import plural
+
+MODEL = "vision"
+SHIPS_LM_HEAD_TABLE = False
+MARGIN = 64 << 20
+
+
+def compiles(recipe) -> bool:
+    return False
+
+
+def read_files(source: Path) -> list[str]:
+    """Every file of the release a vision build reads: config, preprocessor config, index, shards."""
+    names = [BACKBONE_CONFIG, PREPROCESSOR_CONFIG]
+    if (source / INDEX_FILE).is_file():
+        names.append(INDEX_FILE)
+    return names + shard_files(source)
+
+
+def refuse(cfg: BuildConfig) -> None:
+    if cfg.format is not None and cfg.format != aimodel.FORMAT:
+        raise UsageError(f"{cfg.recipe_path}: --format {cfg.format}: a vision tower is built as a Core AI asset only")
+    if cfg.verify_records is not None:
+        raise UsageError(f"{cfg.recipe_path}: --verify-records is for a head's gate; a vision tower's gate runs one "
+                         f"seeded image of a non-square aspect per bucket")
+    if cfg.aot:
+        raise UsageError(f"{cfg.recipe_path}: --aot is not offered for a vision bundle yet")
+
+
+def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
+    from ..sources.fetch import resolve_source
+
+    recipe = cfg.recipe
+    pins = load_pins(cfg.pins_path)
+    final = Path(cfg.out) / bundle_name(recipe, pins, cfg.name)
+    check_output_path(final, cfg.overwrite)
+    source = resolve_source(cfg.source, pins)
+    if not source.is_dir():
+        raise IntegrityError(f"{source}: source folder not found")
+    names = read_files(source)
+    for required in (BACKBONE_CONFIG, PREPROCESSOR_CONFIG):
+        if not (source / required).is_file():
+            raise IntegrityError(f"{source / required}: missing (a vision build reads the tower's configuration and "
+                                 f"its image processor's)")
+    later = [n for n in shard_files(source) if n in names] if defer else []
+    check_pinned(source, pins, cfg.pins_path, later)
+    digests = verify_files(source, pins, cfg.pins_path, [n for n in names if n not in later], log)
+    vcfg = read_vision_config(source)
+    pre = read_preprocessing(source, vcfg)
+    if recipe.buckets[0] < pre.min_tokens:
+        log(f"note: bucket {recipe.buckets[0]} is below the processor's smallest image ({pre.min_tokens} tokens)")
+    infos = locate(source, weight_names(vcfg))
+    fp16 = scratch_bytes(infos)
+    parameters = sum(math.prod(t.shape) for t in infos.values())
+    check_free_space(final.parent, fp16 * 3 + MARGIN, "the vision build (main.mlirb and the gate's compiled fp32 copy)")
+    info = {"recipe": str(cfg.recipe_path), "name": final.name, "model": MODEL, "bundle": str(final),
+            "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
+            "files": digests, "deferred": later, "functions": [function_name(b) for b in recipe.buckets],
+            "buckets": list(recipe.buckets), "cap_tokens": recipe.cap, "weights": recipe.weights,
+            "compute": recipe.compute, "parameters": parameters, "weight_fp16_bytes": fp16,
+            "vision_config": vcfg.as_dict(), "preprocess": pre.as_dict()}
+    return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
+                extra={"vision": vcfg, "preprocess": pre, "infos": infos, "parameters": parameters})
+
+
+def interface(vcfg: VisionConfig, buckets: tuple[int, ...], compute: str) -> VisionInterface:
+    out = "fp32" if compute == "fp32" else "fp16"
+    dtypes = input_dtypes()
+    fns = [Function(name=function_name(b), tokens=b, patches=b * vcfg.merge_unit,
+                    inputs={n: TensorSpec(shape=list(s), dtype=dtypes[n]) for n, s in input_shapes(vcfg, b).items()},
+                    outputs={OUTPUT_NAMES[0]: TensorSpec(shape=[b, vcfg.out_hidden_size], dtype=out)}) for b in buckets]
+    return VisionInterface(input_order=list(INPUT_ORDER), functions=fns, buckets=list(buckets), cap_tokens=buckets[-1],
+                           host_call=HOST_CALL)
+
+
+def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
+    recipe, pins, source = p.cfg.recipe, p.pins, p.source
+    vcfg, pre = p.extra["vision"], p.extra["preprocess"]
+    asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
+    job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "vision_config": vcfg.as_dict(),
+           "buckets": list(recipe.buckets), "compute": recipe.compute,
+           "description": {**asset_description(pins), "description": f"Qwen3.5 vision tower of {pins.label}, "
+                           f"buckets {list(recipe.buckets)} tokens, weights {recipe.weights}, compute {recipe.compute}"}}
+    hashes = BackgroundHashes(source, pins, p.deferred) if p.deferred else None
+    try:
+        timings = run_export(asset_dir, job, log)
+    except BaseException:
+        if hashes is not None:
+            hashes.stop()
+        raise
+    if hashes is not None:
+        t0 = time.perf_counter()
+        found = {**p.files, **hashes.result()}
+        p.files = {n: found[n] for n in read_files(source)}
+        p.info["files"] = p.files
+        log(f"{plural(len(p.deferred), 'shard')} matched their pins (hashed beside the export; "
+            f"{time.perf_counter() - t0:.1f} s waited)")
+    known = {"main.mlirb": (asset_dir / "main.hash").read_bytes().hex()}
+    outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir, known).items()}
+    mlirb = asset_dir / "main.mlirb"
+    seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
+    seconds["total"] = round(sum(seconds.values()), 3)
+    fp16 = int(timings["weight_fp16_bytes"])
+    manifest = VisionManifest(
+        metadata_version=METADATA_VERSION, kind=KIND, name=p.bundle.name, assets={"main": asset_dir.name},
+        tower=Tower(vision_config=vcfg.as_dict(), out_hidden_size=vcfg.out_hidden_size, parameters=p.extra["parameters"]),
+        preprocess=Preprocess(**pre.as_dict(), rule=PREPROCESS_RULE),
+        interface=interface(vcfg, recipe.buckets, recipe.compute),
+        source=BackboneSource(hf_id=pins.hf_id, revision=pins.revision, files=p.files, synthetic=pins.synthetic,
+                              origin=LocalOrigin(kind="local", name=pins.release_name, release=pins.release)
+                              if pins.origin == "local" else None),
+        export=VisionExport(weights=recipe.weights, compute=recipe.compute, aimodel_bytes=tree_bytes(asset_dir),
+                            main_mlirb=FileDigest(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
+                            weight_fp16_bytes=fp16, mlirb_over_weights=round(mlirb.stat().st_size / max(fp16, 1), 6),
+                            seconds=seconds, tolerances=tolerances(recipe.compute)),
+        compilation=Compilation(date=build_date(), targets=[]),
+    )
+    atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))
+    outputs[MANIFEST_FILE] = sha256_file(tmp / MANIFEST_FILE)
+    record = build_record(recipe, p.cfg.recipe_path, pins, dict(sorted(outputs.items())), vcfg.out_hidden_size,
+                          {"model": MODEL, "vision_config": vcfg.as_dict(), "seconds": seconds,
+                           "scaled_tensors": int(timings.get("scaled_tensors", 0))})
+    return Made(manifest=manifest, record=record, seconds={k: v for k, v in seconds.items() if k != "total"})
+
+
+def gate(p: Plan, tmp: Path, log=lambda m: None):
+    recipe = p.cfg.recipe
+    log("verifying the saved vision tower against transformers' Qwen3_5VisionModel")
+    return verify_vision(VisionVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path, seed=recipe.verify.seed,
+                                            all_buckets_max_parameters=recipe.verify.all_buckets_max_parameters,
+                                            numeric_max_parameters=recipe.verify.numeric_max_parameters,
+                                            scratch=tmp, pins=p.pins, checked=p.files, located=p.extra["infos"]), log=log)
+
+
+def summary(manifest) -> str:
+    e, i = manifest.export, manifest.interface
+    return (f"main.mlirb {e.main_mlirb.bytes:,} bytes ({e.mlirb_over_weights:.4f} x the fp16 weights), "
+            f"{len(i.functions)} functions {', '.join(f.name for f in i.functions)} (cap {i.cap_tokens} tokens)")
+
+
+def export_job(job: dict, log) -> dict:
+    from ..vision.export import export_job as run
+
+    return run(job, log)

@@ -1,0 +1,385 @@
+"""The vision tower's gate: a finished vision bundle against the release it was built from.
+
+1. the bundle's files against its manifest (``main.mlirb`` size and sha256, ``main.hash``), the
+   release's files against the pins and the manifest's source;
+2. every 2-D+ weight in ``main.mlirb`` equal to the release's tensor in fp16, streamed
+   (``backbone.asset_weights``: a fine-tune's tower is proven to be the bytes it ships);
+3. the host's patches against transformers' own image processor (``Qwen2VLImageProcessorPil`` from
+   the release's ``preprocessor_config.json``) on the gate's images, bit for bit;
+4. numeric: one seeded image of a non-square aspect per bucket (above ``all_buckets_max_parameters``,
+   the smallest bucket only: a real-shape tower call takes minutes on the Linux CPU runtime), its
+   native grid filling most of the bucket, through the saved asset and the host
+   (``vision.host.tower_inputs``), against transformers' ``Qwen3_5VisionModel`` in fp32 on the
+   release's weights: rows per image (relative max |d|, row cosine);
+5. red arm on the smallest bucket, which must fail the bar: the patches sent in raster order instead
+   of the processor's merge-block order (positions and rotary as the host computes them).
+
+Every failure is collected; then the gate fails (exit 4). Bars are data with their reasons.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import IntegrityError, UsageError
+from ..interrupts import run_async
+from ..progress import plural
+from ..report import Report
+
+TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
+    "fp32": {
+        "rel_max_abs_d": (1e-4, "fp32 compute on fp16 weights that hold the bf16 values exactly (scaled by powers of two): "
+                                "only accumulation order differs; measured 1e-6 on the tiny tower, 2.5e-5 at real shape "
+                                "(448^2, 27 blocks); the raster-order red arm is far above"),
+        "min_row_cosine": (0.999999, "every image row points the same way as the reference's to fp32 accumulation noise"),
+    },
+    "fp16": {
+        "rel_max_abs_d": (1e-2, "fp16 matmuls (4.9e-4 a rounding) through every block, LayerNorm and softmax in fp32"),
+        "min_row_cosine": (0.9999, "row direction to fp16 rounding"),
+    },
+}
+RED_ARMS = ("raster_order",)
+
+
+def tolerances(compute: str) -> dict[str, dict[str, Any]]:
+    return {k: {"bar": v[0], "reason": v[1]} for k, v in TOLERANCES[compute].items()}
+
+
+@dataclass(frozen=True)
+class VisionVerifyConfig:
+    bundle: Path
+    source: Path | None
+    pins_path: Path
+    seed: int = 0
+    all_buckets_max_parameters: int = 50_000_000
+    numeric_max_parameters: int = 2_000_000_000
+    red: bool = True
+    scratch: Path | None = None
+    pins: Any = None
+    checked: dict[str, str] | None = None
+    located: dict[str, Any] | None = None
+
+
+@dataclass
+class ImageResult:
+    name: str  # the image, e.g. "n256 640x384"
+    function: str
+    tokens: int
+    rel_max_abs_d: float
+    min_row_cosine: float
+    arm: str = "main"
+
+
+@dataclass
+class VisionReport(Report):
+    compute: str = "fp32"
+    results: list[ImageResult] = field(default_factory=list)
+    red_arms: tuple[str, ...] = ()
+
+    def _inside(self, r: ImageResult) -> bool:
+        bars = TOLERANCES[self.compute]
+        return r.rel_max_abs_d <= bars["rel_max_abs_d"][0] and r.min_row_cosine >= bars["min_row_cosine"][0]
+
+    def result_failures(self) -> list[str]:
+        out, bars = [], TOLERANCES[self.compute]
+        for r in self.results:
+            inside = self._inside(r)
+            if r.arm == "main" and not inside:
+                out.append(f"image {r.name}: rel max |d| {r.rel_max_abs_d:.3g} (bar {bars['rel_max_abs_d'][0]:g}), "
+                           f"min row cosine {r.min_row_cosine:.6f} (bar {bars['min_row_cosine'][0]:g})")
+            if r.arm != "main" and inside:
+                out.append(f"red arm {r.arm} on image {r.name}: rel max |d| {r.rel_max_abs_d:.3g} passes the bar "
+                           f"(the gate cannot see it)")
+        if self.results:
+            ran = {r.arm for r in self.results if r.arm != "main"}
+            out.extend(f"red arm {a} did not run (no gate passes without its red arms)" for a in self.red_arms if a not in ran)
+        return out
+
+    def title(self) -> str:
+        return f"verify {self.bundle} (vision tower, compute {self.compute})"
+
+    def columns(self) -> list[str]:
+        return ["image", "function", "tokens", "rel max |d|", "min row cosine"]
+
+    def rows(self):
+        out = []
+        for r in self.results:
+            ok = self._inside(r) if r.arm == "main" else not self._inside(r)
+            out.append(([r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", r.function, str(r.tokens),
+                         f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], "pass" if ok else "FAIL"))
+        return out
+
+    def bars(self) -> dict[str, float]:
+        return {k: v[0] for k, v in TOLERANCES[self.compute].items()}
+
+    def headline(self) -> str:
+        main = [r for r in self.results if r.arm == "main"]
+        if not main:
+            return f"{sum(ok for _, ok, _ in self.checks)}/{plural(len(self.checks), 'check')} of the saved asset passed"
+        red = [r for r in self.results if r.arm != "main"]
+        return (f"{plural(len(main), 'image')}, rel max |d| {max(r.rel_max_abs_d for r in main):.2e} (bar "
+                f"{self.bars()['rel_max_abs_d']:g}); red arms " + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red))
+
+    def summary(self) -> dict[str, Any]:
+        main = [r for r in self.results if r.arm == "main"]
+        return {"ok": self.ok, "compute": self.compute,
+                "images": {r.name: {"function": r.function, "tokens": r.tokens, "rel_max_abs_d": r.rel_max_abs_d,
+                                    "min_row_cosine": r.min_row_cosine} for r in main},
+                "red": {r.arm: r.rel_max_abs_d for r in self.results if r.arm != "main"},
+                "bars": self.bars(), "checks": {n: ok for n, ok, _ in self.checks}, "failures": self.failures,
+                "notes": self.notes}
+
+
+def check_files(bundle: Path):
+    """The manifest and its asset; ``IntegrityError`` naming the first broken file."""
+    from ..layout import MANIFEST_FILE
+    from ..manifest import check_file
+    from ..vision.manifest import VisionManifest
+
+    path = Path(bundle) / MANIFEST_FILE
+    try:
+        m = VisionManifest.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing") from None
+    except ValueError as exc:
+        raise IntegrityError(f"{path}: not a vision manifest ({str(exc).splitlines()[0]})") from None
+    asset = Path(bundle) / m.assets["main"]
+    digest = check_file(asset / "main.mlirb", m.export.main_mlirb)
+    if not (asset / "main.hash").is_file() or (asset / "main.hash").read_bytes().hex() != digest:
+        raise IntegrityError(f"{asset / 'main.hash'}: does not hold the sha256 of main.mlirb")
+    return m, asset, [("main.mlirb sha256 = manifest", True, digest[:16]), ("main.hash = sha256(main.mlirb)", True, "ok")]
+
+
+def gate_grid(bucket: int, below: int, min_tokens: int) -> tuple[int, int]:
+    """A merged grid (H, W), H < W, whose tokens fill the bucket (more than the bucket below it and at
+    least the processor's smallest image): the image the gate sends to that function."""
+    for w in range(int(math.sqrt(bucket * 5 / 3)), bucket + 1):
+        h = bucket // w
+        if 0 < h < w and h * w > below and h * w >= min_tokens:
+            return h, w
+    raise UsageError(f"bucket {bucket}: no non-square grid of more than {below} tokens fits it")
+
+
+def raster_order(patches: np.ndarray, grid) -> np.ndarray:
+    """The red arm's patches: the same patches in raster order instead of merge-block order."""
+    from ..vision.host import block_order
+
+    rows, cols = block_order(grid)
+    raster = np.empty_like(patches)
+    raster[rows * grid.cols + cols] = patches
+    return raster
+
+
+def reference_tower(source: Path, infos: dict[str, Any]):
+    """transformers' ``Qwen3_5VisionModel`` in fp32 on the release's tower weights (read as fp32)."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+    from transformers.utils import logging as hf_logging
+
+    from ..backbone.asset_weights import _rows
+    from ..vision.contract import VISUAL
+
+    hf_logging.set_verbosity_error()
+    conf = AutoConfig.from_pretrained(source).vision_config
+    with torch.device("meta"):
+        model = Qwen3_5VisionModel._from_config(conf, dtype=torch.float32)
+    state = {}
+    for name, t in infos.items():
+        state[name[len(VISUAL):]] = torch.from_numpy(np.concatenate(list(_rows(source, t))).reshape(t.shape))
+    model.load_state_dict(state, strict=True, assign=True)
+    # buffers built at init on the meta device (the rotary's inverse frequencies): computed again
+    rope = model.rotary_pos_emb
+    inv, _ = rope.compute_axial_rope_parameters(conf)
+    rope.inv_freq = inv
+    rope.original_inv_freq = inv.clone()
+    return model.eval()
+
+
+def processor_patches(source: Path, image) -> np.ndarray:
+    """transformers' own image processor on ``image`` (the PIL backend: no torchvision here)."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from ..vision.contract import PREPROCESSOR_CONFIG
+
+    raw = json.loads((Path(source) / PREPROCESSOR_CONFIG).read_text(encoding="utf-8"))
+    keep = {k: v for k, v in raw.items() if k not in ("image_processor_type", "processor_class")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Qwen2VLImageProcessorPil(**keep)(images=[image], return_tensors="np")["pixel_values"]
+
+
+def verify_vision(cfg: VisionVerifyConfig, log=lambda msg: None) -> VisionReport:
+    import torch
+    from PIL import Image
+
+    from ..backbone.asset_weights import compare
+    from ..backbone.files import verify_files
+    from ..backbone.weights import locate
+    from ..provenance import tool_versions
+    from ..sources.fetch import resolve_source
+    from ..sources.pins import load_pins
+    from ..vision.contract import INPUT_ORDER, VisionConfig, read_preprocessing, weight_names
+    from ..vision.host import image_rows, tower_inputs
+    from ..vision.preprocess import pixel_patches
+    from .backbone import _compare
+
+    t_start = time.perf_counter()
+    m, asset, checks = check_files(cfg.bundle)
+    pins = cfg.pins or load_pins(cfg.pins_path)
+    other = sorted(k for k in m.source.files if pins.files.get(k) != m.source.files[k])
+    if other or m.source.hf_id != pins.hf_id:
+        why = f"{other[0]} differs" if other else f"it names {m.source.hf_id}"
+        raise IntegrityError(f"{cfg.bundle}: built from another release than {pins.label} ({why}); pass the release "
+                             f"it was built from (--source, --pins)")
+    source = resolve_source(cfg.source, pins)
+    if cfg.checked is None or any(cfg.checked.get(n) != d for n, d in m.source.files.items()):
+        verify_files(source, pins, cfg.pins_path, sorted(m.source.files))
+    checks.append(("manifest source = release files", True, f"{plural(len(m.source.files), 'file')}, sha256 = pins"))
+    vcfg = VisionConfig(**m.tower.vision_config)
+    pre = read_preprocessing(source, vcfg)
+    compute = m.export.compute
+    infos = cfg.located or locate(source, weight_names(vcfg))
+    weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log)
+    checks.extend(weights.checks())
+    params = m.tower.parameters
+    buckets = list(m.interface.buckets)
+    notes: list[str] = []
+    results: list[ImageResult] = []
+    if params > cfg.numeric_max_parameters:
+        notes.append(f"numeric check not run: {params:,} parameters exceed numeric_max_parameters "
+                     f"({cfg.numeric_max_parameters:,}); fp16 compute on the Linux CPU runtime is too slow at this size")
+    else:
+        run_on = buckets if params <= cfg.all_buckets_max_parameters else buckets[:1]
+        if run_on != buckets:
+            notes.append(f"numeric check on {run_on[0]} only: {params:,} parameters exceed all_buckets_max_parameters "
+                         f"({cfg.all_buckets_max_parameters:,}); every function shares the weights and the graph")
+        rng = np.random.default_rng([cfg.seed, 31])
+        cases = []  # (name, bucket, grid, patches, arm)
+        same = True
+        for i, b in enumerate(run_on):
+            h, w = gate_grid(b, buckets[buckets.index(b) - 1] if buckets.index(b) else 0, pre.min_tokens)
+            side = pre.factor
+            image = Image.fromarray(rng.integers(0, 256, (h * side, w * side, 3), dtype=np.uint8))
+            px, grid = pixel_patches(image, pre)
+            same &= np.array_equal(px, processor_patches(source, image))
+            cases.append((f"{w * side}x{h * side}", b, grid, px, "main"))
+        checks.append(("host patches = transformers' image processor (bit for bit)", bool(same),
+                       f"{plural(len(cases), 'image')}, {', '.join(c[0] for c in cases)}"))
+        if cfg.red:
+            name, b, grid, px, _ = cases[0]
+            cases.append((name, b, grid, raster_order(px, grid), RED_ARMS[0]))
+        log("gate: reference, transformers' Qwen3_5VisionModel in fp32")
+        ref = reference_tower(source, infos)
+        wants = {}
+        with torch.no_grad():
+            for name, b, grid, px, arm in cases:
+                if arm == "main":
+                    thw = torch.tensor([[1, grid.rows, grid.cols]])
+                    wants[name] = ref(torch.from_numpy(px), thw).pooler_output.float().numpy()
+        del ref
+        gc.collect()
+
+        async def run_all():
+            from coreai.authoring.asset import AIModelAsset
+            from coreai.runtime import NDArray
+
+            from ..quiet import native_stderr
+            from ..tmpdirs import owned_tempdir
+
+            out = []
+            with native_stderr(), owned_tempdir(cfg.scratch):
+                async with AIModelAsset.load(asset).executable() as model:
+                    have = set(model.function_names)
+                    missing = [f.name for f in m.interface.functions if f.name not in have]
+                    checks.append(("functions = manifest", not missing,
+                                   f"{', '.join(sorted(have))}" + (f"; missing {missing[0]}" if missing else "")))
+                    for name, b, grid, px, arm in cases:
+                        call = tower_inputs(px, grid, vcfg, b)
+                        fn = model.load_function(call.function)
+                        if fn is None:
+                            continue
+                        t0 = time.perf_counter()
+                        res = await fn({k: NDArray(np.ascontiguousarray(call.inputs[k])) for k in INPUT_ORDER})
+                        got = image_rows(np.array(res["image_embeds"].numpy(), dtype=np.float32, copy=True), call)
+                        out.append((name, call, arm, got, time.perf_counter() - t0))
+            return out
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runs = run_async(run_all)
+        for name, call, arm, got, secs in runs:
+            rel, cos = _compare(got, wants[name])
+            results.append(ImageResult(name=name, function=call.function, tokens=call.grid.tokens, rel_max_abs_d=rel,
+                                       min_row_cosine=cos, arm=arm))
+            log(f"{call.function} {name} ({plural(call.grid.tokens, 'token')})" + ("" if arm == "main" else f" red {arm}")
+                + f": rel max |d| {rel:.2e}, min row cosine {cos:.7f} ({secs:.1f} s)")
+    transcript = {"bundle": str(cfg.bundle), "compute": compute, "source": {"hf_id": pins.hf_id, "revision": pins.revision},
+                  "bars": tolerances(compute), "seed": cfg.seed,
+                  "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
+                  "images": [r.__dict__ for r in results], "notes": notes, "versions": tool_versions(),
+                  "seconds": time.perf_counter() - t_start}
+    report = VisionReport(bundle=Path(cfg.bundle), compute=compute, results=results, checks=checks, transcript=transcript,
+                          notes=notes, red_arms=RED_ARMS if cfg.red and results else ())
+    transcript["ok"], transcript["failures"] = report.ok, report.failures
+    return report
+
+
+# ---------------------------------------------------------------- the gate stage's entry (gate.MODELS)
+
+KIND = "vision-tower"
+MODEL = "vision"
+OPTIONS = ("--red", "--seed")
+FIXED_RECORDS = "runs one seeded image of a non-square aspect per bucket"
+
+
+def manifest_of(bundle: Path):
+    return check_files(bundle)[0]
+
+
+def source_of(manifest) -> tuple[str, str | None]:
+    return manifest.source.hf_id, manifest.source.revision
+
+
+def run(opts, manifest, pins_path: Path, log=lambda msg: None) -> VisionReport:
+    return verify_vision(VisionVerifyConfig(bundle=opts.bundle, source=opts.source, pins_path=pins_path, seed=opts.seed),
+                         log=log)
+
+
+def inspect(bundle: Path) -> dict[str, Any]:
+    from ..formats import aimodel
+
+    m, asset, _ = check_files(bundle)
+    return {"name": m.name, "kind": m.kind, "format": aimodel.FORMAT, "weights": m.export.weights,
+            "compute": m.export.compute, "asset_bytes": m.export.aimodel_bytes, "main_mlirb": m.export.main_mlirb.model_dump(),
+            "source": {"hf_id": m.source.hf_id, "revision": m.source.revision},
+            "tower": {"parameters": m.tower.parameters, "out_hidden_size": m.tower.out_hidden_size,
+                      "cap_tokens": m.interface.cap_tokens},
+            "functions": [{"name": f.name,
+                           "inputs": [{"name": n, "shape": s.shape, "dtype": s.dtype} for n, s in f.inputs.items()],
+                           "outputs": [{"name": n, "shape": s.shape, "dtype": s.dtype} for n, s in f.outputs.items()]}
+                          for f in m.interface.functions]}
+
+
+def asset_facts(bundle: Path) -> tuple[str, str, str]:
+    m, asset, _ = check_files(bundle)
+    return m.name, asset.suffix[1:], m.export.main_mlirb.sha256
+
+
+def schema(fmt: str | None = None) -> dict[str, Any]:
+    from ..formats import aimodel
+    from ..vision.manifest import json_schema
+
+    if fmt is not None and fmt != aimodel.FORMAT:
+        raise UsageError(f"--format {fmt}: a vision bundle is a Core AI asset only")
+    return json_schema()
