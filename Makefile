@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench bench-backbone bench-identity bench-9b bench-slice-int8 crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
+.PHONY: setup build test test-fast verify bench bench-backbone bench-identity bench-9b bench-slice-int8 bench-vision vision crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -136,6 +136,23 @@ bench-9b: setup $(SLICE)/pins.json
 # slice (wall and memory, watched): benchmarks/results/slice-int8-latest.json
 bench-slice-int8: setup $(SLICE)/pins.json
 	$(BIN)/python benchmarks/bench_slice_int8.py --slice $(SLICE)
+
+# the vision tower of the tiny release, both recipes, each gated against transformers' tower (issue 30)
+TINY_VISION := $(TINY_OUT)/tiny_release_vision_fp16w32/metadata.json $(TINY_OUT)/tiny_release_vision_fp16/metadata.json
+$(TINY_OUT)/tiny_release_vision_%/metadata.json: $(TINY_REL)/pins.json $(SOURCES) conversion/vision_%.toml
+	$(BIN)/clef-export build conversion/vision_$*.toml --source $(TINY_REL) --out $(TINY_OUT) --overwrite
+
+vision: setup $(TINY_VISION)
+
+# the vision tower at real shape (the 9B's tower, random bf16, beside a 4-layer text slice): build
+# and gate watched, one call per bucket timed: benchmarks/results/vision-latest.json
+VISION_REL := .cache/synth-9b-vision
+$(VISION_REL)/pins.json: $(AUTHOR) clef_flash/backbone/synth.py | $(STAMP)
+	$(BIN)/clef-export synth-release $(VISION_REL) --size 9b --layers 4 --vision --seed 0 --author-code $(AUTHOR) --overwrite
+	$(BIN)/clef-export pin $(VISION_REL) --name synth_9b_vision --overwrite
+
+bench-vision: setup $(VISION_REL)/pins.json
+	$(BIN)/python benchmarks/bench_vision.py --release $(VISION_REL)
 
 # our int8 / int4 per-block codes against coreai-opt's own quantizer on the same weights (coreai-opt
 # is not a dependency: installed with --no-deps into .cache/coreai-opt, torchao beside it)

@@ -275,10 +275,11 @@ def synth_release(
         raise typer.Exit(2)
     if size is not None:
         from .backbone.synth import write_wide_release
+        from .vision.synth import wide_tower
 
         code = _run(lambda: require_author_code(author_code))
         _run(lambda: write_wide_release(out_dir, size=size, layers=layers, seed=seed, author_code=code,
-                                        overwrite=overwrite, log=_log, vision=vision))
+                                        overwrite=overwrite, log=_log, tower=wide_tower if vision else None))
         err.print(f"random {size} release{f' ({layers} layers)' if layers else ''}, seed {seed}, in {out_dir}; "
                   f"pin it with clef-export pin {out_dir}")
         return
@@ -517,6 +518,12 @@ def _print_check(report, console: Console) -> None:
         b = s["backbone"]
         row("backbone hidden rows", f"rel max |d| {b['hidden_rel_max_abs_d']:.2e} (fp{'32' if b['compute'] == 'fp32' else '16'} "
             f"compute, {b['seconds']:.1f} s)", "reported", True)
+    im = s.get("images") or {}
+    if im.get("requests"):
+        via = f"{im['through_vision']} through the vision asset (rel max |d| {im['vision_rel_max_abs_d']:.2e})" \
+            if im.get("vision") else "the reference's rows (no --backbone)"
+        row("image requests", f"{im['requests']} checked, {via}; max |d p| {im['max_abs_dp']:.2e} at the native grid "
+            f"(the port's square tile: {im['port_square_tile_max_abs_dp']:g})", "the bar above", im["host_patches_equal"])
     row("usage.input_tokens equal", f"{s['usage_equal']}/{s['checked']}", "all", s["usage_equal"] == s["checked"])
     row("buckets used", ", ".join(f"{k}: {v}" for k, v in s["functions_used"].items()), "", True)
     row("wall time", f"{s['seconds']['total']:.1f} s (reference {s['seconds']['reference']:.1f} s, asset "
@@ -539,7 +546,8 @@ def check_release_cmd(
     device: Annotated[str, typer.Option("--device", help="Where the author's model runs: cpu, cuda or mps.")] = "cpu",
     dtype: Annotated[str, typer.Option("--dtype", help="The author's model dtype: float32 or bfloat16.")] = "float32",
     backbone: Annotated[Optional[Path], typer.Option("--backbone", help="A backbone bundle of this release: its asset computes the hidden rows the head reads.")] = None,
-    red: Annotated[Optional[str], typer.Option("--red", help="Perturb the shipped path (spans: one token late; lexical: another table's rows; state: the backbone's states reset every chunk); the run must fail.")] = None,
+    vision: Annotated[Optional[Path], typer.Option("--vision", help="A vision bundle of this release (with --backbone): its asset computes an image request's image rows at the image's native grid.")] = None,
+    red: Annotated[Optional[str], typer.Option("--red", help="Perturb the shipped path (spans: one token late; lexical: another table's rows; state: the backbone's states reset every chunk; image: the image's rows zeroed); the run must fail.")] = None,
     transcript: Annotated[Optional[Path], typer.Option("--transcript", help="Write the JSON transcript here.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -548,7 +556,7 @@ def check_release_cmd(
     from .release.check import CheckConfig, check_release
 
     cfg = CheckConfig(release=release, bundle=bundle, table=table, requests=requests, device=device, dtype=dtype, red=red,
-                      backbone=backbone)
+                      backbone=backbone, vision=vision)
     _run(lambda: _check_out_file(transcript, "--transcript"))  # before the run, not after it
     report = _run(lambda: check_release(cfg, log=_log))
     human = _human(json_out)

@@ -124,6 +124,9 @@ class BackboneRecipe(BaseModel):
     # a plan written by ``plan-weights`` (relative to the recipe's folder): its chosen layers stay fp16
     plan: str | None = None
     plan_budget_dp: float = Field(default=0.02, gt=0, le=1)  # "auto": the end-to-end bar the plan meets
+    # NMAX: the image rows the decoder takes (the published port's four image inputs; 1,024 at 9B);
+    # 0: a text-only decoder (input_ids and position_ids only)
+    image_rows: int = Field(default=0, ge=0, le=65536)
     verify: BackboneVerifyPlan = BackboneVerifyPlan()
 
     _plain_name = field_validator("name")(Recipe._plain_name.__func__)  # type: ignore[attr-defined]
@@ -138,6 +141,13 @@ class BackboneRecipe(BaseModel):
             raise ValueError(f"context {v} must hold at least two chunks of {chunk} (the gate's state arm "
                              f"runs a record of two or more chunks)")
         return v
+
+    @model_validator(mode="after")
+    def _image_fits(self):
+        if self.image_rows and self.image_rows + 3 > self.context:
+            raise ValueError(f"image_rows {self.image_rows} leave no room in the context {self.context} "
+                             f"(an image takes its rows plus three tokens)")
+        return self
 
     @model_validator(mode="after")
     def _long_record_fits(self):

@@ -89,7 +89,7 @@ def head_bundle(release, tmp_path_factory) -> Path:
     ('name = "x"\nbuckets = []\n', "buckets must name at least one T"),
     ('name = "x"\nbuckets = [4096, 512]\n', "buckets must be strictly increasing"),
     ('name = "x"\nbuckets = [0, 512]\n', "buckets must be positive"),
-    ('model = "backone"\nname = "x"\n', "model 'backone' is not one this tool builds (known: head, backbone)"),
+    ('model = "backone"\nname = "x"\n', "model 'backone' is not one this tool builds (known: head, backbone, vision)"),
     ('model = "backbone"\nname = "x"\nchunk = 64\ncontext = 64\n', "must hold at least two chunks"),
     ('model = "backbone"\nname = "x"\nchunk = 64\ncontext = 128\n[verify]\nlong_record = 200\n',
      "verify.long_record 200 exceeds the context 128"),

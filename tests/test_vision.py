@@ -156,17 +156,25 @@ def test_tower_graph_equals_transformers_with_padding(release, pre):
     from clef_flash.vision.host import image_rows, tower_inputs
     from clef_flash.vision.preprocess import pixel_patches
 
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
     cfg = read_vision_config(release)
     infos = locate(release, weight_names(cfg))
-    ref = reference_tower(release, infos)
-    tower = VisionTower(cfg, {n: p.detach().clone() for n, p in
-                              ((f"model.visual.{k}", v) for k, v in ref.state_dict().items())
-                              if n in infos}, "fp32")
+    ref = reference_tower(release, infos)  # one block's weights at a time
+    with safe_open(str(release / "model.safetensors"), "pt") as f:
+        weights = {n: f.get_tensor(n).float() for n in infos}
+    tower = VisionTower(cfg, weights, "fp32")
+    whole = Qwen3_5VisionModel._from_config(AutoConfig.from_pretrained(release).vision_config, dtype=torch.float32).eval()
+    whole.load_state_dict({n[len("model.visual."):]: t for n, t in weights.items()}, strict=True)
     for w, h, bucket in ((333, 97, 256), (100, 700, 256), (640, 480, 1024)):
         px, grid = pixel_patches(_image(w, h), pre)
         call = tower_inputs(px, grid, cfg, bucket)
         with torch.no_grad():
-            want = ref(torch.from_numpy(px), torch.tensor([[1, grid.rows, grid.cols]])).pooler_output.numpy()
+            thw = torch.tensor([[1, grid.rows, grid.cols]])
+            want = ref(torch.from_numpy(px), thw).pooler_output.numpy()
+            assert np.array_equal(want, whole(torch.from_numpy(px), thw).pooler_output.numpy())  # streamed = whole
             got = image_rows(tower(*[torch.from_numpy(call.inputs[k]) for k in INPUT_ORDER]).numpy(), call)
             call.inputs["patches"][grid.patches:] = 7.0  # the padding changes nothing the image reads
             again = image_rows(tower(*[torch.from_numpy(call.inputs[k]) for k in INPUT_ORDER]).numpy(), call)
@@ -291,3 +299,180 @@ def test_vision_schema_is_checked_in():
 
     checked_in = json.loads((ROOT / "manifests" / "metadata-vision.schema.json").read_text())
     assert checked_in == json_schema(), "run `clef-export schema --kind vision > manifests/metadata-vision.schema.json`"
+
+
+# ---------------------------------------------------------------- the decoder's image inputs
+
+
+def _image_case(cfg, rng, start=6, grid=(3, 5), length=40):
+    from clef_flash.backbone.host import ImageSpan
+
+    n = grid[0] * grid[1]
+    ids = rng.integers(0, 256, length)
+    rows = (0.5 * rng.standard_normal((n, cfg.hidden_size))).astype(np.float32)
+    return ids, ImageSpan(start=start, rows=rows, grid=grid)
+
+
+def _run_chunks(model, cfg, ch, ids, extra):
+    import torch
+
+    from clef_flash.backbone.graph import zero_states
+    from clef_flash.backbone.host import chunk_inputs
+    from clef_flash.backbone.contract import input_order
+
+    states = zero_states(cfg, ch)
+    out = []
+    for inputs in chunk_inputs(ids, ch.chunk, ch.context, cfg.pad_token_id, extra=extra):
+        args = [torch.from_numpy(np.ascontiguousarray(inputs[k])) for k in input_order(ch)]
+        with torch.no_grad():
+            out.append(model(*args, *states.values())[0].numpy())
+    return np.concatenate(out)[: len(ids)]
+
+
+@pytest.fixture(scope="module")
+def decoders(release, tmp_path_factory):
+    from clef_flash.backbone.contract import Chunking
+    from clef_flash.backbone.files import release_config
+    from clef_flash.backbone.graph import DecoderChunk, ImageDecoderChunk, weight_names
+    from clef_flash.backbone.weights import load_weights
+
+    cfg = release_config(release)
+    w = load_weights(release, weight_names(cfg), tmp_path_factory.mktemp("scratch")).tensors()
+    ch = Chunking(16, 128, 32)
+    return cfg, ch, DecoderChunk(cfg, Chunking(16, 128), w, "fp32"), ImageDecoderChunk(cfg, ch, w, "fp32")
+
+
+def test_image_decoder_with_text_values_is_the_text_decoder_bit_for_bit(decoders):
+    from clef_flash.backbone.host import image_inputs
+
+    cfg, ch, text, image = decoders
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, 40)
+    a = _run_chunks(text, cfg, ch.__class__(16, 128), ids, None)
+    b = _run_chunks(image, cfg, ch, ids, image_inputs(32, cfg.hidden_size, np.float32))
+    assert np.array_equal(a, b)
+
+
+def test_image_decoder_equals_transformers_multimodal_positions(decoders, release):
+    """An image's rows at its tokens, three-axis positions: transformers' text model given the same
+    rows as inputs_embeds and the positions of Qwen3_5Model.get_rope_index (the multimodal path)."""
+    from clef_flash.backbone.host import image_ids, image_inputs
+    from clef_flash.backbone.reference import StreamedTextModel
+
+    cfg, ch, _, image = decoders
+    ids, span = _image_case(cfg, np.random.default_rng(4))
+    want = StreamedTextModel(release).rows(ids, span)
+    got = _run_chunks(image, cfg, ch, image_ids(ids, span, cfg.vocab_size),
+                      image_inputs(32, cfg.hidden_size, np.float32, span))
+    assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
+    pos = StreamedTextModel(release).positions(len(ids), span)[:, 0].numpy()
+    n, (h, w) = span.tokens, span.grid
+    assert pos[:, span.start + n].tolist() == [span.start + max(h, w)] * 3  # text resumes after the image
+    assert pos[:, span.start + w].tolist() == [span.start, span.start + 1, span.start]  # token (1, 0)
+    for red in ("image_zeroed", "rc_swapped", "shift_dropped"):
+        bad = _run_chunks(image, cfg, ch, image_ids(ids, span, cfg.vocab_size),
+                          image_inputs(32, cfg.hidden_size, np.float32, span, red))
+        assert np.abs(bad - want).max() / np.abs(want).max() > 1e-4, red  # above the fp32 bar
+
+
+def test_image_inputs_refuse_what_does_not_fit(decoders):
+    from clef_flash.backbone.host import ImageSpan, image_ids, image_inputs
+
+    cfg = decoders[0]
+    span = ImageSpan(start=30, rows=np.zeros((15, cfg.hidden_size), np.float32), grid=(3, 5))
+    with pytest.raises(ValueError, match="more than the decoder's 8 image rows"):
+        image_inputs(8, cfg.hidden_size, np.float32, span)
+    with pytest.raises(ValueError, match="overrun the record"):
+        image_ids(np.zeros(40, np.int64), span, cfg.vocab_size)
+
+
+def test_backbone_with_image_inputs_builds_and_gates_with_its_image_arms(release, tmp_path):
+    recipe = tmp_path / "backbone_img.toml"
+    recipe.write_text('model = "backbone"\nname = "{release}_decode_img_pf16"\nchunk = 16\ncontext = 128\n'
+                      'weights = "fp16"\ncompute = "fp32"\nimage_rows = 32\n')
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(release), "--out", str(tmp_path / "out"), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    bundle = tmp_path / "out" / json.loads(res.stdout)["name"]
+    meta = json.loads((bundle / "metadata.json").read_text())
+    assert meta["interface"]["input_order"] == ["input_ids", "position_ids", "image_embeds", "image_rc",
+                                                "rope_shift_start", "rope_shift_amount"]
+    assert meta["interface"]["inputs"]["image_embeds"]["shape"] == [32, 64]
+    assert meta["interface"]["vision"]["text_values"] == {"rope_shift_start": 1 << 30, "rope_shift_amount": 0}
+    v = json.loads((bundle / "build-record.json").read_text())["verify"]
+    assert any(n.startswith("image-") for n in v["records"])
+    assert {"image_zeroed", "rc_swapped", "shift_dropped"} <= set(v["red"])
+
+
+def test_image_rows_must_fit_the_context(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('model = "backbone"\nname = "x"\nchunk = 16\ncontext = 32\nimage_rows = 32\n')
+    res = runner.invoke(app, ["build", str(recipe), "--dry-run"])
+    assert res.exit_code == 2 and "image_rows 32 leave no room" in res.output
+
+
+# ---------------------------------------------------------------- end to end with images
+
+
+def test_release_and_check_release_with_image_requests(release, tmp_path, monkeypatch):
+    """`release` of the head, a backbone with image inputs and the vision tower (each gated), then the
+    project's image requests: file -> the host's patches (bit for bit the author's processor's) ->
+    the tower asset at the native grid -> the backbone asset's image inputs -> the head asset,
+    against the author's systemone with the same images; the image over the cap listed as not
+    fitting, the bounded one run; the red arm (the image's rows zeroed) fails."""
+    import sys
+
+    from .conftest import TINY_RECIPE
+
+    backbone = tmp_path / "backbone_img.toml"
+    backbone.write_text('model = "backbone"\nname = "{release}_decode_img_pf64"\nchunk = 64\ncontext = 2048\n'
+                        'weights = "fp16"\ncompute = "fp32"\nimage_rows = 1024\n')
+    monkeypatch.setenv("PATH", "/usr/bin:/bin:" + str(Path(sys.executable).parent))  # no xcrun: AOT skipped
+    dist = tmp_path / "dist"
+    res = runner.invoke(app, ["release", str(TINY_RECIPE), str(backbone), str(RECIPE), "--source", str(release),
+                              "--dist", str(dist), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    head, bb, vis = json.loads(res.stdout)["bundles"]
+    requests = ROOT / "conversion" / "requests-images.jsonl"
+    args = ["check-release", str(release), "--bundle", str(dist / head), "--backbone", str(dist / bb),
+            "--vision", str(dist / vis), "--requests", str(requests)]
+    res = runner.invoke(app, args + ["--transcript", str(tmp_path / "t.json"), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    s = json.loads(res.stdout)
+    assert s["checked"] == 5 and s["does_not_fit"] == 1 and s["disagreements"] == 0
+    assert s["max_abs_dp"] <= 1e-5 and s["bar"] == 1e-5
+    im = s["images"]
+    assert im["through_vision"] == 5 and im["host_patches_equal"] and im["vision_rel_max_abs_d"] < 1e-4
+    t = json.loads((tmp_path / "t.json").read_text())
+    assert [e["id"] for e in t["does_not_fit"]] == ["image-poster-over-cap"]
+    assert "exceed the vision asset's cap of 1024" in t["does_not_fit"][0]["why"]
+    used = {e["image"]["function"] for e in t["requests"] if "function" in e.get("image", {})}
+    assert used == {"n64", "n256", "n1024"}  # several aspect ratios, every bucket
+    red = runner.invoke(app, args + ["--red", "image"])
+    assert red.exit_code == 4, red.output[-2000:]
+    from clef_flash.release.card import model_card, read_dist
+
+    card = model_card(read_dist(dist), t)
+    assert f"`{vis}/` (vision-tower)" in card and "patches in raster order" in card
+    assert "image requests, max \\|d p\\| at the native grid" in card and "one image of up to 1024 rows" in card
+
+
+def test_image_requests_are_checked_before_work(tmp_path):
+    from clef_flash.errors import UsageError
+    from clef_flash.sources.requests import load_requests
+
+    base = {"model": "m", "state": "s", "questions": {"q": {"type": "noul", "instructions": "?"}}}
+    (tmp_path / "a.png").write_bytes(b"x")
+    cases = [({"images": ["a.png", "a.png"]}, "the decoder takes 1 image a request"),
+             ({"videos": ["v.mp4"]}, "videos are not supported"),
+             ({"images": ["missing.png"]}, "image missing.png not found"),
+             ({"images": ["https://example.invalid/a.png"]}, "only local files are read"),
+             ({"images": ["a.png"], "media_kwargs": {"fps": 2}}, "media_kwargs may hold")]
+    for extra, match in cases:
+        f = tmp_path / "r.jsonl"
+        f.write_text(json.dumps({**base, **extra}) + "\n")
+        with pytest.raises(UsageError, match=match):
+            load_requests(f, images=True)
+    f.write_text(json.dumps({**base, "images": ["a.png"]}) + "\n")
+    with pytest.raises(UsageError, match="text only"):
+        load_requests(f)  # plan-weights' calibration records: text only
+    (req,) = load_requests(f, images=True)
+    assert req.images == ((tmp_path / "a.png").resolve(),) and req.body["images"] == [str((tmp_path / "a.png").resolve())]

@@ -50,6 +50,10 @@ class TextConfig:
     rms_norm_eps: float
     pad_token_id: int
     attn_output_gate: bool = True
+    # M-RoPE: rotary frequency j takes the h position if j % 3 == 1 and j < 3 * s[1], the w position
+    # if j % 3 == 2 and j < 3 * s[2], else t (transformers' interleaved layout, its default [11, 11, 10]);
+    # for text the three positions are equal, so it is plain RoPE
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -107,6 +111,7 @@ def text_config(raw: dict[str, Any], where: str, tokenizer_pad: int | None = Non
             conv_kernel=int(t["linear_conv_kernel_dim"]), rms_norm_eps=float(t["rms_norm_eps"]),
             pad_token_id=int(pad) if pad is not None else -1,
             attn_output_gate=bool(t.get("attn_output_gate", True)),
+            mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))),
         )
     except (KeyError, TypeError, ValueError) as exc:
         what = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
@@ -134,6 +139,8 @@ def check_config(cfg: TextConfig) -> list[str]:
         out.append("linear_conv_kernel_dim must be >= 2")
     if not 0 <= cfg.pad_token_id < cfg.vocab_size:
         out.append(f"no pad token id within the vocabulary (got {cfg.pad_token_id})")
+    if len(cfg.mrope_section) != 3 or any(x < 0 for x in cfg.mrope_section):
+        out.append(f"mrope_section must be three sizes, got {list(cfg.mrope_section)}")
     if not cfg.attn_output_gate:
         out.append("attn_output_gate false is not exported (Qwen3.5 gates its attention output)")
     return out
@@ -151,6 +158,20 @@ class Chunking:
 
     chunk: int
     context: int
+    image_rows: int = 0  # NMAX: image rows the decoder takes (the port's four image inputs); 0: text only
+
+
+def mrope_axes(cfg: TextConfig) -> list[int]:
+    """The position axis (0 t, 1 h, 2 w) each of the ``rotary_dim / 2`` frequencies reads."""
+    out = []
+    for j in range(cfg.rotary_dim // 2):
+        out.append(1 if j % 3 == 1 and j < 3 * cfg.mrope_section[1] else 2 if j % 3 == 2 and j < 3 * cfg.mrope_section[2] else 0)
+    return out
+
+
+IMAGE_INPUTS: tuple[str, ...] = ("image_embeds", "image_rc", "rope_shift_start", "rope_shift_amount")
+TEXT_SHIFT_START = 1 << 30  # the text-only values: no image row, no shift
+NO_IMAGE = {"rope_shift_start": TEXT_SHIFT_START, "rope_shift_amount": 0}
 
 
 def check_contract(cfg: TextConfig, ch: Chunking) -> None:
@@ -167,9 +188,17 @@ def check_contract(cfg: TextConfig, ch: Chunking) -> None:
         raise ValueError("contract: key and value caches disagree")
 
 
-def input_shapes(ch: Chunking) -> dict[str, tuple[int, ...]]:
-    """Example shapes: position_ids at its largest (seq = context)."""
-    return {"input_ids": (1, ch.chunk), "position_ids": (1, ch.context)}
+def input_shapes(ch: Chunking, hidden_size: int | None = None) -> dict[str, tuple[int, ...]]:
+    """Example shapes: position_ids at its largest (seq = context); the image inputs with NMAX rows."""
+    out = {"input_ids": (1, ch.chunk), "position_ids": (1, ch.context)}
+    if ch.image_rows:
+        out.update({"image_embeds": (ch.image_rows, hidden_size), "image_rc": (ch.image_rows, 2),
+                    "rope_shift_start": (1,), "rope_shift_amount": (1,)})
+    return out
+
+
+def input_order(ch: Chunking) -> tuple[str, ...]:
+    return INPUT_ORDER + (IMAGE_INPUTS if ch.image_rows else ())
 
 
 def chunks_for(tokens: int, chunk: int) -> int:

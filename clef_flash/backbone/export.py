@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, input_shapes
+from .contract import FUNCTION, IMAGE_INPUTS, INPUT_ORDER, NO_IMAGE, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, input_order, input_shapes
 from .weights import release_freed_memory
 from ..progress import plural
 
@@ -34,11 +34,16 @@ STATE_DTYPES = {"fp32": "fp32", "fp16": "fp16"}  # compute -> the states' storag
 def example_args(cfg: TextConfig, ch: Chunking, state_dtype):
     import torch
 
-    shapes = input_shapes(ch)
+    shapes = input_shapes(ch, cfg.hidden_size)
     ids = torch.zeros(shapes["input_ids"], dtype=torch.int32)
     pos = torch.arange(ch.context, dtype=torch.int32)[None]
+    image = ()
+    if ch.image_rows:  # the text-only values; the image rows in the compute's dtype
+        image = (torch.zeros(shapes["image_embeds"], dtype=state_dtype), torch.zeros(shapes["image_rc"], dtype=torch.int32),
+                 torch.tensor([NO_IMAGE["rope_shift_start"]], dtype=torch.int32),
+                 torch.tensor([NO_IMAGE["rope_shift_amount"]], dtype=torch.int32))
     states = tuple(torch.zeros(s, dtype=state_dtype) for s in cfg.state_shapes(ch.context).values())
-    return (ids, pos, *states)
+    return (ids, pos, *image, *states)
 
 
 def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str], None] = lambda m: None):
@@ -52,7 +57,8 @@ def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str
     from ..head.tracing import no_stack_traces
 
     seq = Dim("seq", min=ch.chunk, max=ch.context)
-    dynamic = {"input_ids": None, "position_ids": {1: seq}, **{n: None for n in STATE_ORDER}}
+    dynamic = {"input_ids": None, "position_ids": {1: seq}, **{n: None for n in IMAGE_INPUTS if ch.image_rows},
+               **{n: None for n in STATE_ORDER}}
     args = example_args(cfg, ch, state_dtype)
     t0 = time.perf_counter()
     with warnings.catch_warnings(), no_stack_traces():
@@ -157,7 +163,8 @@ def constants_from_buffers(streamed: dict[int, tuple[str, int]] | None = None, p
 
 
 def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = True,
-            streamed: dict[int, tuple[str, int]] | None = None, packed: dict[int, Any] | None = None):
+            streamed: dict[int, tuple[str, int]] | None = None, packed: dict[int, Any] | None = None,
+            inputs: tuple[str, ...] | None = None):
     """The Core AI program, and what the converter was handed (``Resources``: the placeholders of the
     streamed tensors, which ``save`` fills); a streamed tensor it did not take is an error."""
     from coreai_torch import TorchConverter
@@ -170,7 +177,7 @@ def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = Tru
     with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
             (constants_from_buffers(streamed, packed) if buffers else contextlib.nullcontext()) as hooked:
         converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
-        converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
+        converter.add_exported_program(ep, input_names=list(inputs or INPUT_ORDER), output_names=list(OUTPUT_NAMES),
                                        state_names=list(STATE_ORDER), entrypoint_name=FUNCTION)
         program = converter.to_coreai()
     made = hooked or Resources()
@@ -198,14 +205,14 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     from ..formats.mlirb import MissingPlaceholders
     from ..errors import ToolchainError
     from .contract import check_contract, weight_names
-    from .graph import DecoderChunk
+    from .graph import DecoderChunk, ImageDecoderChunk
     from .quantize import Scheme
     from .weights import load_weights
 
     import_toolchain()
     source, asset_dir = Path(job["source"]), Path(job["asset_dir"])
     cfg = TextConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in job["text_config"].items()})
-    ch = Chunking(int(job["chunk"]), int(job["context"]))
+    ch = Chunking(int(job["chunk"]), int(job["context"]), int(job.get("image_rows", 0)))
     check_contract(cfg, ch)
     t0 = time.perf_counter()
     log("laying out the release's weights as fp16")
@@ -219,8 +226,8 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
                            streamed=stream, scheme=scheme, compressed=quant["tensors"] if quant else ())
     tensors = weights.tensors()
     quantized = weights.quantized()
-    module = DecoderChunk(cfg, ch, tensors, job["compute"], exponents=weights.exponents, quantized=quantized,
-                          bits=scheme.bits if scheme else 8)
+    module = (ImageDecoderChunk if ch.image_rows else DecoderChunk)(
+        cfg, ch, tensors, job["compute"], exponents=weights.exponents, quantized=quantized, bits=scheme.bits if scheme else 8)
     streamed, packed = {}, {}
     for n in weights.streamed:
         if n in quantized:
@@ -242,7 +249,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
         ep = trace(module, cfg, ch, state_dtype, log)
         t_trace = time.perf_counter() - t0
         t0 = time.perf_counter()
-        program, made = convert(ep, log, buffers=buffers, streamed=streamed, packed=packed)
+        program, made = convert(ep, log, buffers=buffers, streamed=streamed, packed=packed, inputs=input_order(ch))
         t_convert = time.perf_counter() - t0
     except (ValueError, RuntimeError, TypeError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else ""

@@ -30,7 +30,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .contract import KEY_BLOCK, LM, MASK_BIAS, Chunking, TextConfig, weight_names  # noqa: F401 (weight_names: re-exported)
+from .contract import KEY_BLOCK, LM, MASK_BIAS, Chunking, TextConfig, mrope_axes, weight_names  # noqa: F401 (weight_names: re-exported)
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,6 +173,8 @@ class DecoderChunk(torch.nn.Module):
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / cfg.rotary_dim))
         self.slots = torch.arange(chunking.context, dtype=torch.int32)
         self.delta = delta_rule_constants(chunking.chunk)
+        axes = torch.tensor(mrope_axes(cfg))
+        self.on_h, self.on_w = axes == 1, axes == 2  # [rot/2]: the frequencies that read h, w (else t)
 
     def _get(self, name: str) -> torch.Tensor:
         return getattr(self, self._buffer[name]) if name in self._buffer else self.w[name]
@@ -200,11 +202,39 @@ class DecoderChunk(torch.nn.Module):
         return (_rms(x, self.cfg.rms_norm_eps) * (1.0 + self.w[name].float())).to(self.dtype)
 
     def forward(self, input_ids, position_ids, keyCache, valueCache, convState, recState):  # noqa: N803
+        return self._decode(input_ids, position_ids, None, keyCache, valueCache, convState, recState)
+
+    def _embed_and_positions(self, input_ids, pos, image):
+        """The chunk's input rows and the rotary angles ``[S, rot/2]``. Text: the token's row, every
+        axis at its sequence index. With ``image`` (``image_embeds, image_rc, rope_shift_start,
+        rope_shift_amount``): an id V + k takes image row k at (t, h, w) = (s, s + r_k, s + c_k),
+        s = its index - k (the image's first index); text from ``rope_shift_start`` on sits
+        ``rope_shift_amount`` earlier (N - max(H, W)). KV slots and the mask stay on the index."""
+        table = f"{LM}embed_tokens.weight"
+        if image is None:
+            x = self._unscale(F.embedding(input_ids.long(), self._get(table)).to(self.dtype), table)
+            return x, pos.float()[:, None] * self.inv_freq[None, :]
+        embeds, rc, shift_start, shift_amount = image
+        ids = input_ids[0]
+        V = self.cfg.vocab_size
+        is_img = ids >= V
+        k = torch.where(is_img, ids - V, 0).clamp(0, embeds.shape[0] - 1).long()
+        tok = torch.where(is_img, 0, ids).long()
+        text = self._unscale(F.embedding(tok, self._get(table)).to(self.dtype), table)  # [S, H]
+        x = torch.where(is_img[:, None], torch.index_select(embeds, 0, k).to(self.dtype), text)[None]
+        rck = torch.index_select(rc, 0, k)  # [S, 2]
+        first = pos - k.to(pos.dtype)
+        shifted = pos - torch.where(pos >= shift_start, shift_amount, 0)
+        t = torch.where(is_img, first, shifted)
+        h = torch.where(is_img, first + rck[:, 0], shifted)
+        w = torch.where(is_img, first + rck[:, 1], shifted)
+        p3 = torch.where(self.on_h[None, :], h[:, None], torch.where(self.on_w[None, :], w[:, None], t[:, None]))
+        return x, p3.float() * self.inv_freq[None, :]
+
+    def _decode(self, input_ids, position_ids, image, keyCache, valueCache, convState, recState):  # noqa: N803
         cfg, S = self.cfg, self.ch.chunk
         pos = position_ids[:, -S:]  # [1, S]
-        x = self._unscale(F.embedding(input_ids.long(), self._get(f"{LM}embed_tokens.weight")).to(self.dtype),
-                          f"{LM}embed_tokens.weight")
-        freqs = pos[0].float()[:, None] * self.inv_freq[None, :]  # [S, rot/2]
+        x, freqs = self._embed_and_positions(input_ids, pos[0], image)  # [1, S, H], [S, rot/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         # query i sees key slot j when j <= its position
@@ -282,6 +312,16 @@ class DecoderChunk(torch.nn.Module):
         recState[n].copy_(state.to(recState.dtype))
         o = _rms(o, cfg.rms_norm_eps) * self.w[a + "norm.weight"].float() * F.silu(z.float())
         return self._lin(o.reshape(1, S, hv * dv).to(self.dtype), a + "out_proj.weight")
+
+
+class ImageDecoderChunk(DecoderChunk):
+    """The decoder with the published port's four image inputs (``contract.IMAGE_INPUTS``): with the
+    text-only values (zeros, zeros, 1 << 30, 0) it computes what ``DecoderChunk`` computes."""
+
+    def forward(self, input_ids, position_ids, image_embeds, image_rc, rope_shift_start, rope_shift_amount,  # noqa: N803
+                keyCache, valueCache, convState, recState):
+        return self._decode(input_ids, position_ids, (image_embeds, image_rc, rope_shift_start, rope_shift_amount),
+                            keyCache, valueCache, convState, recState)
 
 
 def zero_states(cfg: TextConfig, chunking: Chunking, dtype=torch.float32) -> dict[str, torch.Tensor]:

@@ -8,17 +8,65 @@ the chunk's positions; the ``hidden`` rows are collected and cut to T: the rows 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from .contract import chunks_for  # noqa: F401 (the gate counts calls with it)
+from .contract import NO_IMAGE, chunks_for  # noqa: F401 (the gate counts calls with it)
 
 RED_ARMS = ("state_reset", "positions_late")
+# what a broken host would do with an image (the gate must see each)
+IMAGE_RED_ARMS = ("image_zeroed", "rc_swapped", "shift_dropped")
 
 
-def chunk_inputs(ids: np.ndarray, chunk: int, context: int, pad_id: int, red: str | None = None) -> list[dict[str, np.ndarray]]:
-    """The inputs of every call for one record."""
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image in a record: its first token's index, the tower's rows, the merged grid."""
+
+    start: int
+    rows: np.ndarray  # [N, hidden] fp32, row-major over the merged grid
+    grid: tuple[int, int]  # (H, W), H * W = N
+
+    @property
+    def tokens(self) -> int:
+        return self.grid[0] * self.grid[1]
+
+
+def image_inputs(image_rows: int, hidden: int, dtype, image: ImageSpan | None = None,
+                 red: str | None = None) -> dict[str, np.ndarray]:
+    """The decoder's four image inputs (the same for every chunk of a record): the text-only values
+    (zeros, zeros, 1 << 30, 0) without an image."""
+    embeds = np.zeros((image_rows, hidden), dtype=dtype)
+    rc = np.zeros((image_rows, 2), dtype=np.int32)
+    start, amount = NO_IMAGE["rope_shift_start"], NO_IMAGE["rope_shift_amount"]
+    if image is not None:
+        n, (h, w) = image.tokens, image.grid
+        if n > image_rows:
+            raise ValueError(f"{n} image tokens: more than the decoder's {image_rows} image rows")
+        if image.rows.shape != (n, hidden):
+            raise ValueError(f"image rows {image.rows.shape}, expected {(n, hidden)}")
+        if red != "image_zeroed":
+            embeds[:n] = image.rows
+        k = np.arange(n)
+        rc[:n, 0], rc[:n, 1] = (k % w, k // w) if red == "rc_swapped" else (k // w, k % w)
+        start, amount = image.start + n, (0 if red == "shift_dropped" else n - max(h, w))
+    return {"image_embeds": embeds, "image_rc": rc, "rope_shift_start": np.array([start], np.int32),
+            "rope_shift_amount": np.array([amount], np.int32)}
+
+
+def image_ids(ids: np.ndarray, image: ImageSpan, vocab: int) -> np.ndarray:
+    """The ids the decoder takes: image token k as V + k (its row in image_embeds)."""
+    out = np.asarray(ids, dtype=np.int64).reshape(-1).copy()
+    if image.start + image.tokens > len(out):
+        raise ValueError(f"the image's {image.tokens} tokens from index {image.start} overrun the record of {len(out)}")
+    out[image.start:image.start + image.tokens] = vocab + np.arange(image.tokens)
+    return out
+
+
+def chunk_inputs(ids: np.ndarray, chunk: int, context: int, pad_id: int, red: str | None = None,
+                 extra: dict[str, np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
+    """The inputs of every call for one record (``extra``: the image inputs, the same every call)."""
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     t = len(ids)
     if t < 1:
@@ -33,20 +81,20 @@ def chunk_inputs(ids: np.ndarray, chunk: int, context: int, pad_id: int, red: st
         pos = np.arange((c + 1) * chunk, dtype=np.int32)
         if red == "positions_late":  # every position one token late
             pos = pos + 1
-        out.append({"input_ids": padded[None, c * chunk:(c + 1) * chunk].copy(), "position_ids": pos[None]})
+        out.append({"input_ids": padded[None, c * chunk:(c + 1) * chunk].copy(), "position_ids": pos[None], **(extra or {})})
     return out
 
 
 async def run_record(call: Callable[[dict[str, np.ndarray], Any], Awaitable[np.ndarray]],
                      new_states: Callable[[], Any], ids: np.ndarray, chunk: int, context: int, pad_id: int,
-                     red: str | None = None) -> np.ndarray:
+                     red: str | None = None, extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
     """Hidden rows ``[T, hidden]`` (fp32) of one record: ``call(inputs, states)`` runs one chunk and
     updates ``states`` in place; ``new_states()`` gives zero states."""
-    if red is not None and red not in RED_ARMS:
+    if red is not None and red not in RED_ARMS and red not in IMAGE_RED_ARMS:
         raise ValueError(f"red arm must be one of {RED_ARMS}, got {red!r}")
     states = new_states()
     rows = []
-    for inputs in chunk_inputs(ids, chunk, context, pad_id, red):
+    for inputs in chunk_inputs(ids, chunk, context, pad_id, red, extra):
         if red == "state_reset":  # the state not carried between chunks
             states = new_states()
         rows.append(np.asarray(await call(inputs, states), dtype=np.float32).reshape(chunk, -1))

@@ -40,7 +40,21 @@ class Interface(Strict):
     state_order: list[str]
     outputs: dict[str, TensorSpec]
     host_loop: str
-    vision: None = None  # text only: no image inputs
+    vision: "ImageInputs | None" = None  # None: a text-only decoder (no image inputs)
+
+
+class ImageInputs(Strict):
+    """How a host sends one image's rows (the published port's interface)."""
+
+    image_rows: int = Field(ge=1)  # NMAX
+    image_token_base: int = Field(ge=1)  # V: image token k is sent as id V + k
+    embeds_dtype: Literal["fp16", "fp32"]
+    text_values: dict[str, int]  # rope_shift_start, rope_shift_amount for a request without an image
+    mrope_section: list[int]
+    rule: str
+
+
+Interface.model_rebuild()
 
 
 class BackboneSource(Strict):
@@ -112,6 +126,15 @@ class BackboneManifest(Strict):
 HOST_LOOP = ("zero states per record; ceil(T / S) calls of main; call c: input_ids = tokens c*S … c*S+S-1 "
              "(the last chunk padded with pad_token_id), position_ids = the ramp 0 … (c+1)*S-1 (its last S "
              "entries are the chunk's positions); hidden rows concatenated and cut to T: the head's hidden input")
+
+
+IMAGE_RULE = ("one image of N <= image_rows tokens on a merged grid H x W, its first token at index s: ids V + k "
+              "(k = 0 … N-1) in its place; image_embeds rows 0 … N-1 the vision tower's rows, the rest zero; image_rc "
+              "row k = (k // W, k % W); rope_shift_start = s + N (the index of <|vision_end|>); rope_shift_amount = "
+              "N - max(H, W). Positions: image token k at (t, h, w) = (s, s + k // W, s + k % W), text from "
+              "rope_shift_start on at its index - rope_shift_amount; rotary frequency j reads h if j % 3 == 1 and "
+              "j < 3 * mrope_section[1], w if j % 3 == 2 and j < 3 * mrope_section[2], else t. Text only: zeros, "
+              "zeros, 1 << 30, 0")
 
 
 def json_schema() -> dict[str, Any]:

@@ -95,10 +95,39 @@ class StreamedTextModel:
         values = as_f32(np.ascontiguousarray(rows).reshape(-1), t.dtype).reshape(len(ids), t.shape[1])
         return torch.from_numpy(values).to(self.dtype)
 
-    def rows(self, ids: np.ndarray) -> np.ndarray:
+    def rows(self, ids: np.ndarray, image=None) -> np.ndarray:
+        """The final-norm rows of ``ids``; with ``image`` (``host.ImageSpan``), what transformers'
+        multimodal ``Qwen3_5Model`` does with an image's features: its rows in place of the tokens'
+        embeddings and the three-axis positions of its own ``get_rope_index``."""
         import torch
 
+        embeds = self.embed(ids)
+        kwargs = {}
+        if image is not None:
+            n = image.tokens
+            embeds[image.start:image.start + n] = torch.from_numpy(np.asarray(image.rows, np.float32)).to(self.dtype)
+            kwargs["position_ids"] = self.positions(len(ids), image)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = self.model(inputs_embeds=self.embed(ids)[None]).last_hidden_state[0]
+            out = self.model(inputs_embeds=embeds[None], **kwargs).last_hidden_state[0]
         return out.float().numpy() if self.dtype == torch.float32 else out.numpy()
+
+    def positions(self, length: int, image):
+        """``(3, 1, T)`` positions from transformers' ``Qwen3_5Model.get_rope_index`` (called on a
+        stand-in holding the release's config: the method reads nothing else of the model)."""
+        from types import SimpleNamespace
+
+        import torch
+        from transformers import Qwen3_5Config
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Model
+
+        full = Qwen3_5Config.from_pretrained(self.source)
+        stand_in = SimpleNamespace(config=full)
+        stand_in.get_vision_position_ids = lambda *a, **k: Qwen3_5Model.get_vision_position_ids(stand_in, *a, **k)
+        types = torch.zeros((1, length), dtype=torch.int32)
+        types[0, image.start:image.start + image.tokens] = 1
+        merge = full.vision_config.spatial_merge_size
+        grid = torch.tensor([[1, image.grid[0] * merge, image.grid[1] * merge]])
+        ids = torch.zeros((1, length), dtype=torch.long)
+        pos, _ = Qwen3_5Model.get_rope_index(stand_in, ids, types, image_grid_thw=grid)
+        return pos

@@ -86,13 +86,33 @@ def open_backbone(bundle: Path, release: Path, hidden_size: int) -> ShippedBackb
     return ShippedBackbone(bundle=bundle, asset=asset, manifest=m, checks=checks + desc)
 
 
-def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | None = None) -> list[np.ndarray]:
+def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | None = None,
+                images: Sequence[Any] | None = None) -> list[np.ndarray]:
     """Every record's hidden rows ``[T, hidden]`` (fp32), in the records' order (each record starts
-    from zero states; several run at once)."""
-    from .host import run_record
+    from zero states; several run at once). ``images``: per record a ``host.ImageSpan`` or None; an
+    image's tokens go in as ids V + k and its rows as ``image_embeds`` (``red="image"``: its rows
+    zeroed, the red arm)."""
+    from .host import image_inputs, run_record
     from .runtime import runner
 
     m = bb.manifest
+    from .host import image_ids
+
+    vision = m.interface.vision  # a decoder with image inputs: text requests send the text-only values
+    images = list(images) if images is not None else [None] * len(records)
+    if any(im is not None for im in images) and vision is None:
+        raise IntegrityError(f"{bb.bundle}: a text-only decoder (no image inputs): image requests need a backbone "
+                             f"built with image_rows")
+
+    def extra(image):
+        if vision is None:
+            return None
+        dtype = np.float32 if vision.embeds_dtype == "fp32" else np.float16
+        return image_inputs(vision.image_rows, m.language.hidden_size, dtype, image,
+                            "image_zeroed" if red == "image" and image is not None else None)
+
+    def sent(ids, image):
+        return image_ids(ids, image, m.language.vocab_size) if image is not None else ids
     shapes = {n: tuple(int(x) for x in spec.shape) for n, spec in m.interface.states.items()}
     dtype = next(iter(m.interface.states.values())).dtype
     lang = m.language
@@ -110,12 +130,13 @@ def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | N
             with progress(f"backbone: {plural(len(records), 'record')}", calls, "calls") as tick:
                 counted = counting(call, tick)
 
-                async def one(ids: np.ndarray) -> np.ndarray:
+                async def one(ids: np.ndarray, image) -> np.ndarray:
                     async with slots:
-                        return await run_record(counted, new_states, ids, lang.prefill_chunk, lang.max_context,
-                                                lang.pad_token_id, RED.get(red) if red else None)
+                        return await run_record(counted, new_states, sent(ids, image), lang.prefill_chunk,
+                                                lang.max_context, lang.pad_token_id, RED.get(red) if red else None,
+                                                extra(image))
 
-                return await gather_all(*[one(ids) for ids in records])
+                return await gather_all(*[one(ids, im) for ids, im in zip(records, images, strict=True)])
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

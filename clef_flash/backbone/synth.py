@@ -5,9 +5,10 @@ head configuration, clef-finetune's ``CLEF_FINETUNE.json`` and the byte-level to
 
 It exists to measure and prove the backbone build at real width without the Hub: nothing in it
 claims to be a real checkpoint (``base_model`` says synthetic; ``TINY_RANDOM_MODEL.txt`` marks its
-answers as meaningless). With ``vision``, the 9B's vision tower too (``VISION_9B``: 27 blocks,
-456M parameters) and the image processor's ``preprocessor_config.json``; without it, config.json
-names a tiny tower whose weights are not written (the backbone build reads the text decoder only).
+answers as meaningless). With ``tower`` (``vision.synth.wide_tower``), the 9B's vision tower too
+(27 blocks, 456M parameters) and the image processor's ``preprocessor_config.json``; without it,
+config.json names a tiny tower whose weights are not written (the backbone build reads the text
+decoder only).
 """
 
 from __future__ import annotations
@@ -36,11 +37,6 @@ TEXT_9B: dict[str, Any] = {
                         "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
 }
 SIZES = {"9b": TEXT_9B}
-# Qwen3.5-9B's vision tower (SOURCE: the release's config.json vision_config)
-VISION_9B: dict[str, Any] = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
-                             "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
-                             "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
-                             "hidden_act": "gelu_pytorch_tanh"}
 TINY_VISION: dict[str, Any] = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2}
 SHARD_BYTES = 2 << 30  # shards of at most 2 GiB, as save_pretrained's max_shard_size would cut them
 _BLOCK = 1 << 24  # values generated at a time (64 MB of fp32)
@@ -113,7 +109,8 @@ def _write_shard(path: Path, names: list[str], tensors: dict[str, tuple[int, ...
 
 
 def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, author_code: Path,
-                       overwrite: bool = False, log: Callable[[str], None] = lambda m: None, vision: bool = False) -> Path:
+                       overwrite: bool = False, log: Callable[[str], None] = lambda m: None,
+                       tower: Callable[[dict], tuple[dict, dict, dict]] | None = None) -> Path:
     """The release folder (see the module); pin it with ``clef-export pin``."""
     import torch
     from safetensors.torch import save_file
@@ -137,16 +134,13 @@ def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, a
     if head_config["hidden_size"] != text["hidden_size"]:
         raise UsageError(f"the real head's hidden size {head_config['hidden_size']} is not the {size}'s {text['hidden_size']}")
     tokenizer = byte_tokenizer()
-    from ..head.synth import PREPROCESSOR
-    from ..vision.contract import vision_config as parse_vision
-    from ..vision.contract import weight_names as vision_weights
-
-    tower = {**(VISION_9B if vision else TINY_VISION), "out_hidden_size": text["hidden_size"]}
-    config = Qwen3_5Config(text_config=text, vision_config=tower, tie_word_embeddings=False)
+    # ``tower(text)``: (vision_config, its tensors, preprocessor_config.json) of a tower to write too
+    # (``vision.synth.wide_tower``); else config.json names a tiny tower whose weights are not written
+    vision_config, tower_tensors, preprocessor = tower(text) if tower else ({**TINY_VISION, "out_hidden_size": text["hidden_size"]}, {}, None)
+    config = Qwen3_5Config(text_config=text, vision_config=vision_config, tie_word_embeddings=False)
     cfg = parse_text(config.to_dict(), "config.json")
     tensors = dict(sorted(weight_names(cfg).items()))
-    if vision:
-        tensors.update(sorted(vision_weights(parse_vision(config.to_dict(), "config.json")).items()))
+    tensors.update(sorted(tower_tensors.items()))
     tensors["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     rng = np.random.default_rng([seed, 20])
     with output_lock(out), staged_dir(out, overwrite) as tmp:
@@ -157,8 +151,8 @@ def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, a
                       metadata={"format": "pt"})
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if vision:
-            (tmp / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2, sort_keys=True) + "\n")
+        if preprocessor is not None:
+            (tmp / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2, sort_keys=True) + "\n")
         shards = _plan_shards(tensors)
         weight_map = {}
         for i, names in enumerate(shards, 1):

@@ -23,7 +23,7 @@ from ..manifest import Compilation, FileDigest, LocalOrigin
 from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
 from ..sources.pins import load_pins
 from ..provenance import asset_description, build_date, build_record
-from ..backbone.contract import FUNCTION, INPUT_ORDER, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract
+from ..backbone.contract import FUNCTION, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract
 from ..backbone.contract import weight_names
 from ..backbone.quantize import compressed_names
 from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface, Language, TensorSpec
@@ -84,7 +84,7 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     check_pinned(source, pins, cfg.pins_path, later)  # the rest: verify_files
     digests = verify_files(source, pins, cfg.pins_path, [n for n in names if n not in later], log)
     text = release_config(source)
-    chunking = Chunking(recipe.chunk, recipe.context)
+    chunking = Chunking(recipe.chunk, recipe.context, recipe.image_rows)
     try:
         check_contract(text, chunking)
     except ValueError as exc:
@@ -165,13 +165,27 @@ def compression_section(p: Plan, mlirb_bytes: int) -> Compression | None:
 
 
 def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:
+    from ..backbone.contract import NO_IMAGE, input_order
+    from ..backbone.manifest import IMAGE_RULE, ImageInputs
+
     state = "fp32" if compute == "fp32" else "fp16"
     shapes = text.state_shapes(chunking.context)
+    inputs = {"input_ids": TensorSpec(shape=[1, chunking.chunk], dtype="int32"),
+              "position_ids": TensorSpec(shape=[1, "seq"], dtype="int32")}
+    vision = None
+    if chunking.image_rows:
+        n = chunking.image_rows
+        inputs.update({"image_embeds": TensorSpec(shape=[n, text.hidden_size], dtype=state),
+                       "image_rc": TensorSpec(shape=[n, 2], dtype="int32"),
+                       "rope_shift_start": TensorSpec(shape=[1], dtype="int32"),
+                       "rope_shift_amount": TensorSpec(shape=[1], dtype="int32")})
+        vision = ImageInputs(image_rows=n, image_token_base=text.vocab_size, embeds_dtype=state, text_values=dict(NO_IMAGE),
+                             mrope_section=list(text.mrope_section), rule=IMAGE_RULE)
     return Interface(
         function=FUNCTION,
-        inputs={"input_ids": TensorSpec(shape=[1, chunking.chunk], dtype="int32"),
-                "position_ids": TensorSpec(shape=[1, "seq"], dtype="int32")},
-        input_order=list(INPUT_ORDER),
+        inputs=inputs,
+        vision=vision,
+        input_order=list(input_order(chunking)),
         states={n: TensorSpec(shape=list(shapes[n]), dtype=state) for n in STATE_ORDER},
         state_order=list(STATE_ORDER),
         outputs={OUTPUT_NAMES[0]: TensorSpec(shape=[1, chunking.chunk, text.hidden_size], dtype=state)},
@@ -187,7 +201,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
     scheme = p.extra["scheme"]
     job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "text_config": text.as_dict(),
-           "chunk": recipe.chunk, "context": recipe.context, "compute": recipe.compute,
+           "chunk": recipe.chunk, "context": recipe.context, "image_rows": recipe.image_rows, "compute": recipe.compute,
            "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": p.extra["compressed"]} if scheme else None,
            "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                            f"prefill chunk {recipe.chunk}, weights {recipe.weights}, compute {recipe.compute}"}}

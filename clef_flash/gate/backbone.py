@@ -54,6 +54,9 @@ TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
     },
 }
 RED_ARMS = ("state_reset", "positions_late")
+# a decoder with image inputs: the image record through a host that drops its rows, swaps rows and
+# columns, or forgets the post-image shift (``backbone.host.IMAGE_RED_ARMS``)
+IMAGE_RED_ARMS = ("image_zeroed", "rc_swapped", "shift_dropped")
 # compressed weights: the reference reads the asset's codes and scales wrongly, and must fail the bar
 # (the gate sees the layout it claims: blocks along the input axis, codes row-major)
 QUANT_RED_ARMS = ("scales_shifted", "codes_transposed")
@@ -225,6 +228,36 @@ def red_records(lengths: dict[str, int], chunk: int, context: int) -> dict[str, 
     return {"state_reset": state, "positions_late": late}
 
 
+def image_record(text, chunk: int, context: int, image_rows: int, source: Path, rng):
+    """The gate's image record: a few text tokens, ``<|vision_start|>``-like text, an image of a
+    non-square merged grid H x W (H < W) spanning a chunk boundary, text after it; the image's rows
+    seeded, of the size of the release's embedding rows (the decoder's normal regime)."""
+    import math
+
+    from ..backbone.host import ImageSpan
+    from ..backbone.weights import as_f32, locate
+    from ..backbone.contract import LM
+
+    # two rows, as wide as a chunk: a row / column swap moves the h positions by up to W - 1 (at tiny
+    # width one rotary frequency reads h: a square-ish grid hid the swap under the fp16 bar)
+    h = 2 if image_rows >= 6 else 1
+    w = max(h + 1, min(chunk, image_rows // h))
+    n = h * w
+    start = max(1, chunk // 2)
+    length = min(start + n + 1 + chunk // 2, context)
+    if start + n >= length:
+        raise UsageError(f"the context of {context} cannot hold the gate's image record ({n} image tokens)")
+    ids = rng.integers(0, text.vocab_size, size=length)
+    t = locate(source, {f"{LM}embed_tokens.weight": (text.vocab_size, text.hidden_size)})[f"{LM}embed_tokens.weight"]
+    with open(source / t.file, "rb") as fh:  # the first rows of the table: their spread sets the image rows'
+        fh.seek(t.offset)
+        rows = min(256, t.shape[0])
+        sample = as_f32(np.frombuffer(fh.read(rows * t.shape[1] * (t.nbytes // (t.shape[0] * t.shape[1]))), np.uint8), t.dtype)
+    scale = float(np.std(sample)) or 1.0
+    span = ImageSpan(start=start, rows=(scale * rng.standard_normal((n, text.hidden_size))).astype(np.float32), grid=(h, w))
+    return f"image-{h}x{w}", ids, span
+
+
 def _compare(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
     rel = float(np.abs(got - want).max() / max(float(np.abs(want).max()), 1e-30))
     cos = (got * want).sum(-1) / np.maximum(np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1), 1e-30)
@@ -317,6 +350,13 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         rng = np.random.default_rng([cfg.seed, 19])
         records = {name: rng.integers(0, text.vocab_size, size=n) for name, n in lengths.items()}
         red_on = red_records(lengths, chunk, context) if cfg.red else {}
+        vision = m.interface.vision
+        images: dict[str, Any] = {}  # record -> host.ImageSpan
+        if vision is not None:  # a record with an image spanning a chunk boundary, and its red arms
+            name, ids, span = image_record(text, chunk, context, vision.image_rows, source, rng)
+            records[name], images[name] = ids, span
+            if cfg.red:
+                red_on.update({arm: name for arm in host.IMAGE_RED_ARMS})
         # the reference first, one layer in memory at a time, and gone before the runtime loads the asset.
         # Compressed: (a) on the asset's own dequantized weights (read from main.mlirb), the bars; (b) the
         # uncompressed release, reported; the red arms read the codes or scales wrongly (must fail (a))
@@ -341,14 +381,24 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
             for arm, (override, names) in refs.items():
                 ref = StreamedTextModel(source, weights=override)
                 for name in names:
-                    wants[(arm, name)] = ref.rows(records[name])
+                    wants[(arm, name)] = ref.rows(records[name], images.get(name))
                     tick()
                 del ref
         gc.collect()
         state_dtype = "fp32" if compute == "fp32" else "fp16"
 
         plan = [(name, arm) for name in records
-                for arm in ["main"] + [a for a in RED_ARMS if red_on.get(a) == name]]  # the asset's runs
+                for arm in ["main"] + [a for a in RED_ARMS + host.IMAGE_RED_ARMS if red_on.get(a) == name]]  # the asset's runs
+        dtype = np.float32 if compute == "fp32" else np.float16
+
+        def extra(name: str, arm: str):
+            if vision is None:
+                return None
+            return host.image_inputs(vision.image_rows, text.hidden_size, dtype, images.get(name),
+                                     arm if arm in host.IMAGE_RED_ARMS else None)
+
+        def sent(name: str):
+            return host.image_ids(records[name], images[name], text.vocab_size) if name in images else records[name]
 
         async def run_all():
             out = []
@@ -360,8 +410,8 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
                     counted = counting(call, tick)
                     for name, arm in plan:
                         t0 = time.perf_counter()
-                        got = await host.run_record(counted, new_states, records[name], chunk, context,
-                                                    text.pad_token_id, None if arm == "main" else arm)
+                        got = await host.run_record(counted, new_states, sent(name), chunk, context, text.pad_token_id,
+                                                    arm if arm in RED_ARMS else None, extra(name, arm))
                         out.append((name, arm, got, time.perf_counter() - t0))
             return out
 
@@ -385,7 +435,8 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
                   "arms_run": [{"record": r.name, "arm": r.arm} for r in results],  # every arm, the red ones named
                   "notes": notes, "versions": tool_versions(),
                   "seconds": time.perf_counter() - t_start}
-    owed = (RED_ARMS + (QUANT_RED_ARMS if scheme is not None else ())) if cfg.red else ()
+    owed = (RED_ARMS + (QUANT_RED_ARMS if scheme is not None else ())
+            + (IMAGE_RED_ARMS if m.interface.vision is not None else ())) if cfg.red else ()
     report = BackboneReport(bundle=Path(cfg.bundle), compute=compute, results=results, checks=checks, transcript=transcript,
                             notes=notes, red_arms=owed, weights=m.export.weights)
     transcript["ok"], transcript["failures"] = report.ok, report.failures

@@ -33,6 +33,7 @@ from ..errors import IntegrityError, UsageError
 from ..interrupts import run_async
 from ..progress import plural
 from ..report import Report
+from ..vision.bundle import check_files
 
 TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
     "fp32": {
@@ -42,8 +43,10 @@ TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
         "min_row_cosine": (0.999999, "every image row points the same way as the reference's to fp32 accumulation noise"),
     },
     "fp16": {
-        "rel_max_abs_d": (1e-2, "fp16 matmuls (4.9e-4 a rounding) through every block, LayerNorm and softmax in fp32"),
-        "min_row_cosine": (0.9999, "row direction to fp16 rounding"),
+        "rel_max_abs_d": (3e-2, "fp16 matmuls and activations (4.9e-4 a rounding) through every block, LayerNorm and softmax "
+                                "in fp32: measured 6.3e-3 to 9.5e-3 on the tiny tower (the patch embedding's 1,536-term sums "
+                                "in fp16); the raster-order red arm is 1.4"),
+        "min_row_cosine": (0.999, "row direction to fp16 rounding (measured 0.99994 on the tiny tower)"),
     },
 }
 RED_ARMS = ("raster_order",)
@@ -138,26 +141,6 @@ class VisionReport(Report):
                 "notes": self.notes}
 
 
-def check_files(bundle: Path):
-    """The manifest and its asset; ``IntegrityError`` naming the first broken file."""
-    from ..layout import MANIFEST_FILE
-    from ..manifest import check_file
-    from ..vision.manifest import VisionManifest
-
-    path = Path(bundle) / MANIFEST_FILE
-    try:
-        m = VisionManifest.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: missing") from None
-    except ValueError as exc:
-        raise IntegrityError(f"{path}: not a vision manifest ({str(exc).splitlines()[0]})") from None
-    asset = Path(bundle) / m.assets["main"]
-    digest = check_file(asset / "main.mlirb", m.export.main_mlirb)
-    if not (asset / "main.hash").is_file() or (asset / "main.hash").read_bytes().hex() != digest:
-        raise IntegrityError(f"{asset / 'main.hash'}: does not hold the sha256 of main.mlirb")
-    return m, asset, [("main.mlirb sha256 = manifest", True, digest[:16]), ("main.hash = sha256(main.mlirb)", True, "ok")]
-
-
 def gate_grid(bucket: int, below: int, min_tokens: int) -> tuple[int, int]:
     """A merged grid (H, W), H < W, whose tokens fill the bucket (more than the bucket below it and at
     least the processor's smallest image): the image the gate sends to that function."""
@@ -179,7 +162,12 @@ def raster_order(patches: np.ndarray, grid) -> np.ndarray:
 
 
 def reference_tower(source: Path, infos: dict[str, Any]):
-    """transformers' ``Qwen3_5VisionModel`` in fp32 on the release's tower weights (read as fp32)."""
+    """transformers' ``Qwen3_5VisionModel`` in fp32 on the release's tower weights, holding one
+    block's weights at a time (as ``backbone.reference.StreamedTextModel`` does the decoder's): built
+    on the meta device, the patch embedding and position table read now, each block's and the
+    merger's tensors read by a pre-hook (bf16 -> fp32, exact) and dropped after. 1.8 GB of fp32
+    weights at real shape become about 0.1 GB plus the activations. Everything else is
+    transformers' forward as it is."""
     import torch
     from transformers import AutoConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
@@ -192,11 +180,26 @@ def reference_tower(source: Path, infos: dict[str, Any]):
     conf = AutoConfig.from_pretrained(source).vision_config
     with torch.device("meta"):
         model = Qwen3_5VisionModel._from_config(conf, dtype=torch.float32)
-    state = {}
-    for name, t in infos.items():
-        state[name[len(VISUAL):]] = torch.from_numpy(np.concatenate(list(_rows(source, t))).reshape(t.shape))
-    model.load_state_dict(state, strict=True, assign=True)
-    # buffers built at init on the meta device (the rotary's inverse frequencies): computed again
+
+    def load(module, prefix: str) -> None:
+        for name, _ in list(module.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            t = infos[f"{VISUAL}{prefix}{name}"]
+            value = torch.from_numpy(np.concatenate(list(_rows(source, t))).reshape(t.shape))
+            (module.get_submodule(owner) if owner else module)._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+
+    def drop(module) -> None:
+        for name, p in list(module.named_parameters()):
+            owner, _, attr = name.rpartition(".")
+            (module.get_submodule(owner) if owner else module)._parameters[attr] = torch.nn.Parameter(
+                torch.empty(p.shape, device="meta"), requires_grad=False)
+
+    load(model.patch_embed, "patch_embed.")
+    load(model.pos_embed, "pos_embed.")
+    for prefix, module in [(f"blocks.{i}.", b) for i, b in enumerate(model.blocks)] + [("merger.", model.merger)]:
+        module.register_forward_pre_hook(lambda mod, args, prefix=prefix: load(mod, prefix))
+        module.register_forward_hook(lambda mod, args, out: drop(mod))
+    # the rotary's inverse frequencies, built at init on the meta device: computed again
     rope = model.rotary_pos_emb
     inv, _ = rope.compute_axial_rope_parameters(conf)
     rope.inv_freq = inv

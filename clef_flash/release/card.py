@@ -17,7 +17,7 @@ from ..bundle import read_json
 from ..errors import IntegrityError
 from ..layout import LICENSE_FILES, SUMS_FILE
 
-HEAD_KIND, BACKBONE_KIND = "decision-head", "decision-backbone"
+HEAD_KIND, BACKBONE_KIND, VISION_KIND = "decision-head", "decision-backbone", "vision-tower"
 TABLE_SIDECAR = "host/lm_head_fp16.json"
 
 
@@ -69,7 +69,7 @@ def read_dist(dist: Path) -> Dist:
     bundles = []
     for name in sorted({n.split("/", 1)[0] for n in sums if n.endswith("/metadata.json") and n.count("/") == 1}):
         manifest = _json(dist / name / "metadata.json")
-        if manifest.get("kind") not in (HEAD_KIND, BACKBONE_KIND):
+        if manifest.get("kind") not in (HEAD_KIND, BACKBONE_KIND, VISION_KIND):
             continue
         bundles.append(Bundle(name, manifest["kind"], manifest, _json(dist / name / "build-record.json")))
     if not bundles:
@@ -126,8 +126,9 @@ def model_card(dist: Dist, transcript: dict[str, Any] | None = None) -> str:
             "clef-export. " + ("**Synthetic: random weights, for testing the toolchain; it decides nothing.**"
                                if synthetic else ""), ""]
     for b in dist.bundles:
-        role = ("the joint schema head: hidden rows -> one logit per allowed option of each question"
-                if b.kind == HEAD_KIND else "the Qwen3.5 text decoder with states: token ids -> the final-norm hidden rows")
+        role = {HEAD_KIND: "the joint schema head: hidden rows -> one logit per allowed option of each question",
+                BACKBONE_KIND: "the Qwen3.5 decoder with states: token ids (and an image's rows) -> the final-norm hidden rows",
+                VISION_KIND: "the vision tower: an image's patches at its native grid -> one row per vision token"}[b.kind]
         out.append(f"- `{b.name}/` ({b.kind}): {role}")
     if dist.table is not None:
         out.append(f"- `host/lm_head_fp16.bin`: the lm_head rows in fp16 {dist.table['shape']}, the lexical table the host reads")
@@ -189,6 +190,16 @@ def _proof(dist: Dist, transcript: dict[str, Any] | None) -> list[str]:
             for fn in v.get("max_abs_dp", {}):
                 out.append(f"| {fn} | {v['records_per_function'][fn]} | {fig(v['max_abs_dp'][fn])} | {fig(bars.get('max_abs_dp'))} | "
                            f"{fig(v['max_abs_dlogit'][fn])} | {fig(bars.get('max_abs_dlogit'))} | {v['argmax'][fn]} |")
+        elif b.kind == VISION_KIND:
+            out += [f"`{b.name}` (compute {v.get('compute')}) on seeded images of a non-square aspect, one per bucket it ran, "
+                    "against transformers' `Qwen3_5VisionModel` (fp32):", "",
+                    "| image | function | tokens | relative max \\|d\\| | bar | min row cosine | bar |", "|---|---|---|---|---|---|---|"]
+            for name, r in v.get("images", {}).items():
+                out.append(f"| {name} | {r['function']} | {r['tokens']} | {fig(r['rel_max_abs_d'])} | {fig(bars.get('rel_max_abs_d'))} | "
+                           f"{fig(r['min_row_cosine'], 9)} | {fig(bars.get('min_row_cosine'), 9)} |")
+            if v.get("red"):
+                out += ["", "Red arm (patches in raster order, not the processor's merge order): " + ", ".join(
+                    f"{k} {fig(x)}" for k, x in v["red"].items()) + " relative max |d|, far over the bar."]
         else:
             out += [f"`{b.name}` (compute {v.get('compute')}) chunk by chunk with its states, against transformers' "
                     "text model of the release (fp32, one full forward per record):", "",
@@ -229,6 +240,12 @@ def _proof(dist: Dist, transcript: dict[str, Any] | None) -> list[str]:
         if s.get("backbone"):
             rows += [("backbone weights", s["backbone"].get("weights", "fp16")), ("backbone compute", s["backbone"].get("compute")),
                      ("backbone hidden rows, relative max |d|", s["backbone"].get("hidden_rel_max_abs_d"))]
+        im = s.get("images") or {}
+        if im.get("requests"):
+            rows += [("image requests checked", im.get("requests")), ("of them through the vision asset", im.get("through_vision")),
+                     ("image requests, max |d p| at the native grid", im.get("max_abs_dp")),
+                     ("the published port's square tile (448^2), its own max |d p|", im.get("port_square_tile_max_abs_dp")),
+                     ("vision rows, relative max |d|", im.get("vision_rel_max_abs_d"))]
         out += [f"| {k.replace('|', chr(92) + '|')} | {fig(x)} |" for k, x in rows]
         out += ["", f"Bar: {transcript.get('bar', {}).get('reason', '')}", ""]
     return out
@@ -245,15 +262,26 @@ def _host(dist: Dist) -> list[str]:
             out += [f"| {n} | {h['inputs'][n]} |" for n in h["input_order"]]
             out += ["", f"Output: {', '.join(f'{k} {v}' for k, v in h['outputs'].items())}. Padding: {h['host_pad_rule']}. "
                     f"Softmax: {h['softmax']}. Lexical rows: {h['lexical']}.", ""]
+        elif b.kind == VISION_KIND:
+            i, pre = m["interface"], m["preprocess"]
+            out += [f"`{b.name}`: functions {', '.join(f['name'] for f in i['functions'])} (buckets of "
+                    f"{', '.join(str(x) for x in i['buckets'])} vision tokens; cap {i['cap_tokens']}); inputs in this order: "
+                    f"{', '.join(i['input_order'])}; output image_embeds.", "",
+                    f"Preprocessing (the host's, numpy + Pillow): {pre['rule']}; mean {pre['image_mean']}, std {pre['image_std']}, "
+                    f"{pre['min_pixels']} … {pre['max_pixels']} pixels.", "", f"Call: {i['host_call']}.", ""]
         else:
             i, lang = m["interface"], m["language"]
+            images = i.get("vision")
             out += [f"`{b.name}`: function `{i['function']}`; prefill chunk {lang['prefill_chunk']}, context "
-                    f"{lang['max_context']}, pad token {lang['pad_token_id']}, text only.", "",
+                    f"{lang['max_context']}, pad token {lang['pad_token_id']}, "
+                    + (f"one image of up to {images['image_rows']} rows a request." if images else "text only."), "",
                     "| | name | shape | dtype |", "|---|---|---|---|"]
             out += [f"| input | {n} | {i['inputs'][n]['shape']} | {i['inputs'][n]['dtype']} |" for n in i["input_order"]]
             out += [f"| state | {n} | {i['states'][n]['shape']} | {i['states'][n]['dtype']} |" for n in i["state_order"]]
             out += [f"| output | {n} | {o['shape']} | {o['dtype']} |" for n, o in i["outputs"].items()]
             out += ["", f"Host loop: {i['host_loop']}.", ""]
+            if images:
+                out += [f"Image inputs: {images['rule']}.", ""]
     return out
 
 

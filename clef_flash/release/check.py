@@ -18,8 +18,15 @@ stage earlier: the token ids the release's tokenizer gave go through the backbon
 chunk with its states, and the head asset reads those hidden rows instead of the reference's: the
 whole model a Mac host runs. The bar is then the backbone's (``BACKBONE_BARS``) when wider.
 
-A red arm (``--red spans``, ``lexical``, or ``state`` with ``--backbone``) perturbs the shipped path
-only; it must fail.
+With ``--vision`` too (a vision bundle of the same release, ``vision.shipped``), a request's image
+goes the way a Mac host sends it: the file through the host's preprocessing (numpy + Pillow; held
+bit for bit to the pixels the author's processor gave), the tower asset at the image's native grid
+(the bucket that holds it; over the cap it does not fit), its rows into the backbone asset's image
+inputs at the image's tokens, then the head asset. Without ``--backbone`` an image request runs the
+head on the reference's rows, as text requests do.
+
+A red arm (``--red spans``, ``lexical``, ``state`` with ``--backbone``, ``image`` with ``--vision``)
+perturbs the shipped path only; it must fail.
 """
 
 from __future__ import annotations
@@ -65,7 +72,11 @@ BACKBONE_BARS: dict[str, dict[str, Any]] = {
                              "(max 0.02, mean 0.002, argmax equal where the margin exceeds 0.02; its int8 with layers 0-11 "
                              "fp16 measured 0.0153 on a Mac GPU, every layer int8 0.075)"},
 }
-RED_ARMS = ("spans", "lexical", "state")  # state: the backbone's states not carried between chunks (--backbone)
+# state: the backbone's states not carried between chunks (--backbone); image: the image's rows zeroed
+# in the decoder's inputs (--vision)
+RED_ARMS = ("spans", "lexical", "state", "image")
+# the published port squashes an image to a square tile; its own measurement against native grids at 448^2
+PORT_SQUARE_TILE_DP = 0.44
 # question outcomes; only "disagree" fails
 EQUAL, NEAR_TIE, ROUNDED, DISAGREE = "equal", "near-tie", "rounded-digits", "disagree"
 
@@ -80,6 +91,7 @@ class CheckConfig:
     dtype: str = "float32"
     red: str | None = None
     backbone: Path | None = None  # a backbone bundle of this release: its asset computes the hidden rows
+    vision: Path | None = None  # a vision bundle of this release: its asset computes an image's rows
 
 
 # ---------------------------------------------------------------- the release and its table
@@ -264,13 +276,17 @@ class CheckReport:
         return not self.failures
 
 
-def _check_kinds(bundle: Path, backbone: Path | None) -> None:
+def _check_kinds(bundle: Path, backbone: Path | None, vision: Path | None = None) -> None:
     from ..gate import kind_of
 
-    if kind_of(bundle).MODEL != "head":
-        raise UsageError(f"{bundle}: this is a backbone bundle: pass it as --backbone, and the head bundle as --bundle")
-    if backbone is not None and kind_of(Path(backbone)).MODEL != "backbone":
-        raise UsageError(f"{backbone}: this is a head bundle: pass it as --bundle, and the backbone bundle as --backbone")
+    as_option = {"head": "--bundle", "backbone": "--backbone", "vision": "--vision"}
+    for path, want in ((bundle, "head"), (backbone, "backbone"), (vision, "vision")):
+        if path is None:
+            continue
+        got = kind_of(Path(path)).MODEL
+        if got != want:
+            raise UsageError(f"{path}: this is a {got} bundle: pass it as {as_option[got]}, and the {want} bundle as "
+                             f"{as_option[want]}")
 
 
 def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
@@ -290,10 +306,14 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         raise UsageError(f"--dtype must be one of {', '.join(BARS)}, got {cfg.dtype!r}")
     if cfg.red == "state" and cfg.backbone is None:
         raise UsageError("--red state perturbs the backbone's host loop: it needs --backbone")
+    if cfg.red == "image" and (cfg.backbone is None or cfg.vision is None):
+        raise UsageError("--red image zeroes the image's rows in the backbone's inputs: it needs --backbone and --vision")
+    if cfg.vision is not None and cfg.backbone is None:
+        raise UsageError("--vision feeds the tower's rows to the backbone asset: it needs --backbone")
     if not release.is_dir():
         raise UsageError(f"{release}: release folder not found")
-    _check_kinds(bundle, cfg.backbone)  # a bundle passed in the other's place: said at once, by name
-    requests = load_requests(cfg.requests or default_requests())
+    _check_kinds(bundle, cfg.backbone, cfg.vision)  # a bundle passed in another's place: said at once, by name
+    requests = load_requests(cfg.requests or default_requests(), images=True)
     import_reference()
 
     manifest, fmt, asset, checks = check_bundle(bundle)
@@ -319,6 +339,12 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         else:
             bar_reason = f"{bar_reason}; {bb_bar['reason']}"
         mean_bar = bb_bar["mean_abs_dp"]
+    vision = None
+    if cfg.vision is not None:
+        from ..vision.shipped import open_vision
+
+        vision = open_vision(Path(cfg.vision), release, config.hidden_size)
+        checks.extend(vision.checks)
 
     with tempfile.TemporaryDirectory(prefix="clef-check-") as tmp:
         if cfg.table is not None:
@@ -334,6 +360,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         # the reference side, request by request; the shipped side's inputs from the same tokens
         entries: list[dict[str, Any]] = []
         seen_by: list[tuple[int, Any, Any, int]] = []  # (entry index, Seen, the questions the host reads, bucket)
+        prepared: dict[int, Any] = {}  # entry index -> the host's image (vision.shipped.PreparedImage)
         t_ref = time.perf_counter()
         from ..progress import progress
 
@@ -342,11 +369,30 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
                 tick()
                 entry: dict[str, Any] = {"id": req.id, "line": req.line, "questions": len(req.body["questions"])}
                 entries.append(entry)
+                if req.images:
+                    entry["image"] = {"file": str(req.images[0])}
+                    why = image_not_run(ref_model, backbone, vision)
+                    if why:
+                        entry["tokens"], entry["options"], entry["does_not_fit"] = 0, 0, why
+                        continue
                 encoded = ref_model.encode(req.body)
                 entry["tokens"] = len(encoded.input_ids)
                 entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
                 try:
                     bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets)
+                    if req.images and vision is not None:
+                        from ..vision.shipped import prepare
+
+                        im = prepare(vision, req.images[0], req.body.get("media_kwargs"))
+                        entry["image"].update({"tokens": im.grid.tokens, "grid": list(im.grid.merged)})
+                        if im.bucket is None:
+                            raise HostInputError(f"{im.grid.tokens} vision tokens ({im.grid.merged[0]} x {im.grid.merged[1]}) "
+                                                 f"exceed the vision asset's cap of {vision.cap} (media_kwargs max_pixels "
+                                                 f"bounds an image)")
+                        rows = backbone.manifest.interface.vision.image_rows
+                        if im.grid.tokens > rows:
+                            raise HostInputError(f"{im.grid.tokens} vision tokens exceed the backbone's {rows} image rows")
+                        prepared[len(entries) - 1] = im
                     too_long = backbone.does_not_fit(entry["tokens"]) if backbone is not None else None
                     if too_long:
                         raise HostInputError(too_long)
@@ -358,6 +404,11 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
                 if tuple(seen.ids.tolist()) != tuple(encoded.input_ids):
                     raise RuntimeError(f"request {req.id}: systemone encoded other tokens than encode_record")
                 entry["reference"] = response
+                if len(entries) - 1 in prepared:
+                    im = prepared[len(entries) - 1]
+                    theirs = np.asarray(seen.record.media["pixel_values"])
+                    entry["image"]["host_patches_equal"] = bool(theirs.shape == im.patches.shape and np.array_equal(theirs, im.patches))
+                    entry["image"]["function"] = f"n{im.bucket}"
                 questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
                 if cfg.red == "spans":
                     questions = _shift_spans(questions, len(seen.ids))
@@ -368,8 +419,12 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
 
         # the hidden rows: the reference's, or the backbone asset's on the same token ids
         t_bb = time.perf_counter()
+        spans = [None] * len(seen_by)
+        vision_seconds = 0.0
+        if prepared:
+            spans, vision_seconds = _image_spans(vision, ref_model, seen_by, prepared, entries)
         if backbone is not None:
-            hiddens = hidden_rows(backbone, [seen.ids for _, seen, _, _ in seen_by], red=cfg.red)
+            hiddens = hidden_rows(backbone, [seen.ids for _, seen, _, _ in seen_by], red=cfg.red, images=spans)
             for (i, seen, _, _), h in zip(seen_by, hiddens, strict=True):
                 entries[i]["backbone_rel_max_abs_d"] = float(np.abs(h - seen.hidden).max()
                                                              / max(float(np.abs(seen.hidden).max()), 1e-30))
@@ -432,6 +487,11 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     if mean_bar is not None and mean_dp > mean_bar:
         failures.append(f"mean |d p| {mean_dp:.3g} over {dp_count} probabilities > {mean_bar:g}")
     bb_rel = [e["backbone_rel_max_abs_d"] for e in entries if "backbone_rel_max_abs_d" in e]
+    with_image = [e for e in fitted if "image" in e]
+    for e in with_image:
+        if "host_patches_equal" in e["image"] and not e["image"]["host_patches_equal"]:
+            failures.append(f"{e['id']}: the host's patches differ from the author's processor's pixel_values")
+    image_dp = [c["max_abs_dp"] for e in with_image for c in e.get("compare", {}).values()]
     checks.append(("release head = bundle's source", True, f"{manifest.head.source.hf_id}"))
     checks.append(("lexical table", True, f"{table_info['table']} ({table_info['source_file']})"))
     summary = {
@@ -455,6 +515,14 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
             "bundle": str(backbone.bundle), "compute": backbone.compute, "weights": backbone.manifest.export.weights,
             "asset_sha256": backbone.manifest.export.main_mlirb.sha256,
             "hidden_rel_max_abs_d": max(bb_rel, default=0.0), "seconds": bb_seconds},
+        "images": {"requests": len(with_image), "through_vision": sum(1 for e in with_image if "function" in e["image"]),
+                   "max_abs_dp": max(image_dp, default=0.0),
+                   "vision_rel_max_abs_d": max((e["image"].get("vision_rel_max_abs_d", 0.0) for e in with_image), default=0.0),
+                   "host_patches_equal": all(e["image"].get("host_patches_equal", True) for e in with_image),
+                   "native_grid": True, "port_square_tile_max_abs_dp": PORT_SQUARE_TILE_DP,
+                   "vision": None if vision is None else {"bundle": str(vision.bundle), "compute": vision.manifest.export.compute,
+                                                          "asset_sha256": vision.manifest.export.main_mlirb.sha256,
+                                                          "seconds": vision_seconds}},
         "functions_used": {name: used.get(name, 0) for name, _ in manifest.head.buckets},
         "seconds": {"reference": ref_seconds, "backbone": bb_seconds, "shipped": run_seconds, "total": time.perf_counter() - t_start},
     }
@@ -482,6 +550,44 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         "versions": tool_versions(extra=("transformers", "accelerate", "tokenizers")),
     }
     return CheckReport(checks=checks, transcript=transcript, failures=failures)
+
+
+def image_not_run(ref_model, backbone, vision) -> str | None:
+    """Why an image request is listed as not run here, or None."""
+    if not getattr(ref_model, "images", False):
+        return "the release has no preprocessor_config.json: its processor cannot take images"
+    if backbone is not None and vision is None:
+        return "an image request through --backbone needs --vision (the tower asset computes the image's rows)"
+    if backbone is not None and backbone.manifest.interface.vision is None:
+        return f"{backbone.bundle} is a text-only decoder (built without image_rows)"
+    return None
+
+
+def _image_spans(vision, ref_model, seen_by, prepared, entries):
+    """The host's images through the tower asset: per checked request, the decoder's ImageSpan (its
+    first image token's index in the author's ids, the tower's rows, the merged grid) or None."""
+    from ..backbone.host import ImageSpan
+    from ..vision.shipped import tower_rows
+
+    t0 = time.perf_counter()
+    order = [i for i, *_ in seen_by if i in prepared]
+    rows = dict(zip(order, tower_rows(vision, [prepared[i] for i in order]), strict=True))
+    image_id = ref_model.processor.image_token_id
+    spans = []
+    for i, seen, _, _ in seen_by:
+        if i not in prepared:
+            spans.append(None)
+            continue
+        im = prepared[i]
+        where = np.flatnonzero(seen.ids == image_id)
+        if len(where) != im.grid.tokens or (len(where) and where[-1] - where[0] + 1 != len(where)):
+            raise RuntimeError(f"request {entries[i]['id']}: the author's prompt holds {len(where)} image tokens; the host's "
+                               f"grid gives {im.grid.tokens}")
+        if seen.image_rows is not None:
+            want = seen.image_rows
+            entries[i]["image"]["vision_rel_max_abs_d"] = float(np.abs(rows[i] - want).max() / max(float(np.abs(want).max()), 1e-30))
+        spans.append(ImageSpan(start=int(where[0]), rows=rows[i], grid=im.grid.merged))
+    return spans, time.perf_counter() - t0
 
 
 async def _run_all(runner, asset: Path, calls: list[tuple[str, Any]]) -> list[np.ndarray]:

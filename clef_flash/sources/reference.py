@@ -6,11 +6,13 @@
     model    = module.ClefModel(backbone, head).eval()
     response = module.systemone(model, processor, request)
 
-These are the steps of the author's ``load_release_model``, taken one by one so that the processor
-is the release's tokenizer alone: the full Qwen3-VL processor needs torchvision (its video
-processor), which does not import next to the CPU build of torch, and text-only requests use
-nothing of the processor but ``.tokenizer``. Requests with images or videos are refused before
-anything runs.
+These are the steps of the author's ``load_release_model``, taken one by one: ``AutoProcessor``
+needs torchvision for the Qwen3-VL processor's video processor, which does not import next to the
+CPU build of torch. So the processor is transformers' own ``Qwen3VLProcessor`` class assembled from
+the release's tokenizer and the image processor ``AutoImageProcessor`` resolves without torchvision
+(``Qwen2VLImageProcessorPil``, from the release's ``preprocessor_config.json``), with no video
+processor (``ImageTextProcessor``); a release without that file gets the tokenizer alone, and its
+image requests are refused. Videos are refused before anything runs.
 
 A forward hook on the head records what the author's head was given (the backbone's hidden rows,
 the token ids, the encoded record) and what it returned, so that the shipped path reads exactly
@@ -64,6 +66,38 @@ class Seen:
     ids: np.ndarray  # [L] int64
     record: Any  # the author's EncodedRecord
     probs: list[np.ndarray]  # per question, the author's unrounded probabilities (f32 softmax of its logits)
+    image_rows: np.ndarray | None = None  # [N, hidden] f32: the tower's rows transformers put at the image's tokens
+
+
+def image_text_processor(release: Path, tokenizer: Any):
+    """transformers' ``Qwen3VLProcessor`` over the release's tokenizer and its image processor (the
+    PIL backend), without the video processor (its class needs torchvision): images only."""
+    import json
+    import warnings
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    class ImageTextProcessor(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, argument_name, argument):
+            if argument_name == "video_processor" and argument is None:
+                return None  # images only: the video processor's class is not importable here
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("videos"):
+                raise UsageError("requests with videos are not supported (images only)")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # min_pixels / max_pixels per call: deprecated, still honoured
+                return super().__call__(*args, **kwargs)
+
+    path = Path(release) / "preprocessor_config.json"
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+        image = Qwen2VLImageProcessorPil(**{k: v for k, v in raw.items() if k not in ("image_processor_type", "processor_class")})
+    except (OSError, ValueError, TypeError) as exc:
+        raise IntegrityError(f"{path}: not a Qwen2-VL image processor configuration ({str(exc).splitlines()[0][:160]})") from None
+    return ImageTextProcessor(image_processor=image, tokenizer=tokenizer, video_processor=None)
 
 
 class TextProcessor(SimpleNamespace):
@@ -112,20 +146,24 @@ class Reference:
             raise IntegrityError(f"{release}: cannot load the tokenizer ({str(exc).splitlines()[0][:200]})") from None
         if tokenizer.pad_token_id is None:
             raise IntegrityError(f"{release}: the tokenizer has no pad token (systemone pads with it)")
-        self.processor = TextProcessor(tokenizer=tokenizer)
+        self.images = (release / "preprocessor_config.json").is_file()
+        self.processor = image_text_processor(release, tokenizer) if self.images else TextProcessor(tokenizer=tokenizer)
         self.model = module.ClefModel(backbone, head).eval()
         self._seen: list[tuple[tuple, Any]] = []
+        self._tower: list[Any] = []
         head.register_forward_hook(lambda _m, args, out: self._seen.append((args, out)))
+        backbone.model.visual.register_forward_hook(lambda _m, args, out: self._tower.append(out.pooler_output))
         log(f"reference: {release.name} backbone {type(backbone).__name__} ({sum(p.numel() for p in backbone.parameters()):,} "
             f"parameters), {dtype} on {device}")
 
     def encode(self, request: dict[str, Any]) -> Any:
-        """The author's ``encode_record`` exactly as ``systemone`` calls it (text only)."""
+        """The author's ``encode_record`` exactly as ``systemone`` calls it (an image: through the processor)."""
         return self.module.encode_record(self.processor.tokenizer, request, processor=self.processor)
 
     def answer(self, request: dict[str, Any]) -> tuple[dict[str, Any], Seen]:
         """The author's ``systemone`` response, and what its head saw and said."""
         self._seen.clear()
+        self._tower.clear()
         response = self.module.systemone(self.model, self.processor, request)
         if len(self._seen) != 1:
             raise RuntimeError(f"the author's head ran {len(self._seen)} times for one request")
@@ -138,5 +176,7 @@ class Reference:
             record=records[0],
             # systemone's own conversion: question_logits.float().softmax(-1)
             probs=[q.float().softmax(-1).cpu().numpy() for q in logits[0]],
+            image_rows=self._tower[0].float().cpu().numpy() if self._tower else None,
         )
+        self._tower.clear()
         return response, seen

@@ -1,0 +1,124 @@
+"""`make bench-vision`: the vision tower at real shape (issue 30), on a synthetic release with the
+9B's tower (27 blocks, hidden 1152, 456,010,480 parameters, random bf16) beside a 4-layer text slice.
+
+1. ``build conversion/vision_fp16w32.toml`` with its gate, watched as a process tree (wall, peak
+   anonymous + shared memory, total RSS); main.mlirb against the fp16 weights; the gate's image
+   (the smallest bucket, a 4:1 aspect) against transformers' tower, and the raster-order red arm;
+2. one call per bucket (n64, n256, n1024) of the saved asset on the Linux CPU runtime, each on an
+   image of a non-square aspect that fills the bucket, timed, with its rows against transformers'
+   (``--buckets`` to run fewer: n1024 takes minutes).
+
+Writes ``benchmarks/results/vision-latest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from memwatch import watch  # noqa: E402
+
+EXE = Path(sys.executable).parent / "clef-export"
+
+
+def calls(bundle: Path, release: Path, buckets: list[int]) -> list[dict]:
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from clef_flash.backbone.weights import locate
+    from clef_flash.gate.backbone import _compare
+    from clef_flash.gate.vision import gate_grid, reference_tower
+    from clef_flash.vision.contract import INPUT_ORDER, VisionConfig, read_preprocessing, weight_names
+    from clef_flash.vision.host import image_rows, tower_inputs
+    from clef_flash.vision.preprocess import pixel_patches
+
+    from coreai.authoring.asset import AIModelAsset
+    from coreai.runtime import NDArray
+
+    m = json.loads((bundle / "metadata.json").read_text())
+    cfg = VisionConfig(**m["tower"]["vision_config"])
+    pre = read_preprocessing(release, cfg)
+    all_buckets = m["interface"]["buckets"]
+    rng = np.random.default_rng(7)
+    cases = []
+    for b in buckets:
+        i = all_buckets.index(b)
+        h, w = gate_grid(b, all_buckets[i - 1] if i else 0, pre.min_tokens)
+        im = Image.fromarray(rng.integers(0, 256, (h * pre.factor, w * pre.factor, 3), dtype=np.uint8))
+        px, grid = pixel_patches(im, pre)
+        cases.append((b, grid, px))
+    ref = reference_tower(release, locate(release, weight_names(cfg)))
+    wants = {}
+    for b, grid, px in cases:
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            wants[b] = ref(torch.from_numpy(px), torch.tensor([[1, grid.rows, grid.cols]])).pooler_output.numpy()
+        wants[(b, "s")] = time.perf_counter() - t0
+
+    async def run():
+        out = []
+        t0 = time.perf_counter()
+        async with AIModelAsset.load(next(bundle.glob("*.aimodel"))).executable() as model:
+            load = time.perf_counter() - t0
+            for b, grid, px in cases:
+                call = tower_inputs(px, grid, cfg, b)
+                fn = model.load_function(call.function)
+                t0 = time.perf_counter()
+                res = await fn({k: NDArray(np.ascontiguousarray(call.inputs[k])) for k in INPUT_ORDER})
+                secs = time.perf_counter() - t0
+                got = image_rows(np.array(res["image_embeds"].numpy(), dtype=np.float32), call)
+                rel, cos = _compare(got, wants[b])
+                out.append({"function": call.function, "image": f"{grid.cols * pre.patch_size}x{grid.rows * pre.patch_size}",
+                            "tokens": grid.tokens, "patches": grid.patches, "seconds": round(secs, 1),
+                            "torch_eager_seconds": round(wants[(b, "s")], 1), "rel_max_abs_d": rel,
+                            "min_row_cosine": cos, "load_seconds": round(load, 1)})
+                print(out[-1], flush=True)
+        return out
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--release", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench-vision")
+    ap.add_argument("--buckets", type=int, nargs="*", default=[64, 256, 1024])
+    a = ap.parse_args()
+    if a.work.exists():
+        shutil.rmtree(a.work)
+    a.work.mkdir(parents=True)
+    result: dict = {"release": str(a.release)}
+    log = a.work / "build"
+    with open(log.with_suffix(".out"), "wb") as out, open(log.with_suffix(".err"), "wb") as errs:
+        w = watch([str(EXE), "build", str(ROOT / "conversion" / "vision_fp16w32.toml"), "--source", str(a.release),
+                   "--out", str(a.work / "out"), "--json"], 0.05, out, errs)
+    row = {"rc": w["rc"], "wall": round(w["wall"], 1), "peak_anon_shmem_mib": round(w["peak_anon_shmem_mib"], 1),
+           "peak_rss_mib": round(w["peak_rss_mib"], 1), "per_process_peak_mib": w["per_process_peak_mib"]}
+    if w["rc"] == 0:
+        m = json.loads(log.with_suffix(".out").read_text())
+        bundle = a.work / "out" / m["name"]
+        record = json.loads((bundle / "build-record.json").read_text())
+        row.update({"main_mlirb_bytes": m["export"]["main_mlirb"]["bytes"], "weight_fp16_bytes": m["export"]["weight_fp16_bytes"],
+                    "mlirb_over_weights": m["export"]["mlirb_over_weights"], "export_seconds": m["export"]["seconds"],
+                    "gate": record["verify"]})
+        result["build"] = row
+        result["calls"] = calls(bundle, a.release, a.buckets)
+    else:
+        row["stderr_tail"] = log.with_suffix(".err").read_text().splitlines()[-12:]
+        result["build"] = row
+    out = ROOT / "benchmarks" / "results" / "vision-latest.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    sys.exit(0 if w["rc"] == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
