@@ -82,18 +82,22 @@ compressed: setup $(TINY_BUNDLE)/metadata.json $(TINY_COMPRESSED)
 
 # the whole model on the tiny release: the head alone, then tokenizer -> backbone asset -> head asset
 # (fp32 compute on every request; fp16 compute, slow on the Linux CPU runtime, on the first four),
+# the project's image requests through the vision asset and the backbone's image inputs (and their red arm),
 # the red arm that must fail (exit 4), the backbone's gate, the whole Mac release in one dist/, and its
 # publish to a loopback Hub, downloaded back by the commit and checked
 TINY_B32 := $(TINY_OUT)/tiny_release_decode_fp16w32_pf64
 TINY_B16 := $(TINY_OUT)/tiny_release_decode_fp16_pf64
-check: setup $(TINY_BUNDLE)/metadata.json $(TINY_BACKBONES)
+TINY_V32 := $(TINY_OUT)/tiny_release_vision_fp16w32
+check: setup $(TINY_BUNDLE)/metadata.json $(TINY_BACKBONES) $(TINY_V32)/metadata.json
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --transcript $(TINY_OUT)/check-release.json
+	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B32) --vision $(TINY_V32) --requests conversion/requests-images.jsonl --transcript $(TINY_OUT)/check-release-images.json
+	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B32) --vision $(TINY_V32) --requests conversion/requests-images.jsonl --red image > /dev/null 2>&1; test $$? -eq 4
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B32) --transcript $(TINY_OUT)/check-release-fp16w32.json
 	head -n 4 conversion/requests.jsonl > $(TINY_OUT)/requests-4.jsonl
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B16) --requests $(TINY_OUT)/requests-4.jsonl --transcript $(TINY_OUT)/check-release-fp16.json
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B32) --red state > /dev/null 2>&1; test $$? -eq 4
 	$(BIN)/clef-export verify $(TINY_B32) --source $(TINY_REL)
-	$(BIN)/clef-export release $(RECIPE) conversion/backbone_pf64_fp16w32.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist --overwrite
+	$(BIN)/clef-export release $(RECIPE) conversion/backbone_pf64_fp16w32.toml conversion/vision_fp16w32.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist --overwrite
 	$(BIN)/python -m tests.hub_roundtrip $(TINY_OUT)/dist --check $(TINY_OUT)/check-release-fp16w32.json
 
 # build -> verify -> AOT where xcrun coreai-build exists -> dist/ with SHA256SUMS
