@@ -6,7 +6,11 @@
    (the smallest bucket, a 4:1 aspect) against transformers' tower, and the raster-order red arm;
 2. one call per bucket (n64, n256, n1024) of the saved asset on the Linux CPU runtime, each on an
    image of a non-square aspect that fills the bucket, timed, with its rows against transformers'
-   (``--buckets`` to run fewer: n1024 takes minutes).
+   (``--buckets`` to run fewer: n1024 takes minutes);
+3. ``--whole``: the whole image request at real width: the release's head bundle and its backbone
+   (fp32 compute, image inputs; built without their gates, which ``bench-slice-int8`` and the head's
+   own benchmarks cover) and ``check-release --vision`` on ``--whole-requests`` of the project's
+   image requests, watched: tower + chunks + head against the author's systemone.
 
 Writes ``benchmarks/results/vision-latest.json``.
 """
@@ -86,12 +90,55 @@ def calls(bundle: Path, release: Path, buckets: list[int]) -> list[dict]:
     return asyncio.run(run())
 
 
+def whole(a, vision: Path) -> dict:
+    work = a.work / "whole"
+    work.mkdir(parents=True, exist_ok=True)
+    out: dict = {}
+    recipe = work / "backbone_img.toml"
+    recipe.write_text('model = "backbone"\nname = "{release}_decode_fp16w32_pf64"\nchunk = 64\ncontext = 4096\n'
+                      'weights = "fp16"\ncompute = "fp32"\nimage_rows = 1024\n')
+    for key, r in (("head", ROOT / "conversion" / "head_bucket_fp16w32.toml"), ("backbone", recipe)):
+        log = work / key
+        with open(log.with_suffix(".out"), "wb") as o, open(log.with_suffix(".err"), "wb") as e:
+            w = watch([str(EXE), "build", str(r), "--source", str(a.release), "--out", str(work), "--no-verify", "--json"],
+                      0.05, o, e)
+        if w["rc"]:
+            raise SystemExit(f"{key} build failed: {log.with_suffix('.err').read_text()[-2000:]}")
+        out[f"{key}_build"] = {"wall": round(w["wall"], 1), "peak_anon_shmem_mib": round(w["peak_anon_shmem_mib"], 1)}
+        out[f"{key}_bundle"] = str(work / json.loads(log.with_suffix(".out").read_text())["name"])
+    lines = (ROOT / "conversion" / "requests-images.jsonl").read_text().splitlines()[: a.whole_requests]
+    requests = ROOT / "conversion" / f".bench-whole-{a.whole_requests}.jsonl"  # beside images/: paths relative to it
+    requests.write_text("\n".join(lines) + "\n")
+    try:
+        log = work / "check"
+        with open(log.with_suffix(".out"), "wb") as o, open(log.with_suffix(".err"), "wb") as e:
+            w = watch([str(EXE), "check-release", str(a.release), "--bundle", out["head_bundle"], "--backbone",
+                       out["backbone_bundle"], "--vision", str(vision), "--requests", str(requests), "--json"], 0.05, o, e)
+    finally:
+        requests.unlink()
+    out["check_release"] = {"rc": w["rc"], "wall": round(w["wall"], 1), "peak_anon_shmem_mib": round(w["peak_anon_shmem_mib"], 1),
+                            "peak_rss_mib": round(w["peak_rss_mib"], 1)}
+    if w["rc"] in (0, 4):
+        out["check_release"]["summary"] = json.loads(log.with_suffix(".out").read_text())
+    else:
+        out["check_release"]["stderr_tail"] = log.with_suffix(".err").read_text().splitlines()[-12:]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--release", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench-vision")
     ap.add_argument("--buckets", type=int, nargs="*", default=[64, 256, 1024])
+    ap.add_argument("--whole", action="store_true")
+    ap.add_argument("--whole-requests", type=int, default=2)
+    ap.add_argument("--skip-build", type=Path, help="an already built vision bundle (skips 1 and 2)")
     a = ap.parse_args()
+    if a.skip_build:
+        result = {"release": str(a.release), "whole": whole(a, a.skip_build)}
+        print(json.dumps(result, indent=2))
+        (ROOT / "benchmarks" / "results" / "vision-whole-latest.json").write_text(json.dumps(result, indent=2) + "\n")
+        return
     if a.work.exists():
         shutil.rmtree(a.work)
     a.work.mkdir(parents=True)
@@ -110,7 +157,9 @@ def main() -> None:
                     "mlirb_over_weights": m["export"]["mlirb_over_weights"], "export_seconds": m["export"]["seconds"],
                     "gate": record["verify"]})
         result["build"] = row
-        result["calls"] = calls(bundle, a.release, a.buckets)
+        result["calls"] = calls(bundle, a.release, a.buckets) if a.buckets else []
+        if a.whole:
+            result["whole"] = whole(a, bundle)
     else:
         row["stderr_tail"] = log.with_suffix(".err").read_text().splitlines()[-12:]
         result["build"] = row

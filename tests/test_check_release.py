@@ -124,7 +124,8 @@ def test_bad_requests_and_missing_extra_are_one_line_errors(tmp_path, tiny_relea
     cases = {
         "notjson.jsonl": ("{\"model\": 1\n", "notjson.jsonl:1: not JSON"),
         "notype.jsonl": (json.dumps({**good, "questions": {"x": {"type": "rank"}}}), "notype.jsonl:1: question 'x': type"),
-        "image.jsonl": ("\n" + json.dumps({**good, "images": ["cat.png"]}), "image.jsonl:2: requests with images or videos"),
+        "image.jsonl": ("\n" + json.dumps({**good, "images": ["cat.png"]}), "image.jsonl:2: image cat.png not found"),
+        "video.jsonl": (json.dumps({**good, "videos": ["a.mp4"]}), "video.jsonl:1: requests with videos are not supported"),
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
