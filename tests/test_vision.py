@@ -476,3 +476,22 @@ def test_image_requests_are_checked_before_work(tmp_path):
         load_requests(f)  # plan-weights' calibration records: text only
     (req,) = load_requests(f, images=True)
     assert req.images == ((tmp_path / "a.png").resolve(),) and req.body["images"] == [str((tmp_path / "a.png").resolve())]
+
+
+def test_a_config_whose_image_token_is_not_the_tokenizers_is_refused(release, tmp_path):
+    """The model puts the tower's rows where config.json's image_token_id stands, the processor writes
+    the tokenizer's <|image_pad|>: a release where they differ is refused, naming config.json."""
+    from clef_flash.sources.pinning import pin_local
+
+    from .conftest import build_bundle
+
+    rel = tmp_path / "rel"
+    shutil.copytree(release, rel)
+    conf = json.loads((rel / "config.json").read_text())
+    conf["image_token_id"] = 5
+    (rel / "config.json").write_text(json.dumps(conf))
+    pin_local(rel, name="tiny_release", overwrite=True)
+    head = build_bundle(rel, tmp_path / "head")
+    res = runner.invoke(app, ["check-release", str(rel), "--bundle", str(head), "--requests",
+                              str(ROOT / "conversion" / "requests-images.jsonl")])
+    assert res.exit_code == 3 and "config.json: image_token_id 5 is not the tokenizer's <|image_pad|>" in res.output, res.output[-2000:]

@@ -137,7 +137,12 @@ def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, a
     # ``tower(text)``: (vision_config, its tensors, preprocessor_config.json) of a tower to write too
     # (``vision.synth.wide_tower``); else config.json names a tiny tower whose weights are not written
     vision_config, tower_tensors, preprocessor = tower(text) if tower else ({**TINY_VISION, "out_hidden_size": text["hidden_size"]}, {}, None)
-    config = Qwen3_5Config(text_config=text, vision_config=vision_config, tie_word_embeddings=False)
+    from ..head.synth import SPECIAL_TOKENS
+
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}  # the markers are this tokenizer's ids
+    config = Qwen3_5Config(text_config=text, vision_config=vision_config, tie_word_embeddings=False,
+                           image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                           vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
     cfg = parse_text(config.to_dict(), "config.json")
     tensors = dict(sorted(weight_names(cfg).items()))
     tensors.update(sorted(tower_tensors.items()))

@@ -148,6 +148,10 @@ class Reference:
             raise IntegrityError(f"{release}: the tokenizer has no pad token (systemone pads with it)")
         self.images = (release / "preprocessor_config.json").is_file()
         self.processor = image_text_processor(release, tokenizer) if self.images else TextProcessor(tokenizer=tokenizer)
+        if self.images and getattr(backbone.config, "image_token_id", None) != self.processor.image_token_id:
+            # the model puts the tower's rows where config.json's id stands; the processor writes the tokenizer's
+            raise IntegrityError(f"{release / 'config.json'}: image_token_id {getattr(backbone.config, 'image_token_id', None)} "
+                                 f"is not the tokenizer's <|image_pad|> ({self.processor.image_token_id})")
         self.model = module.ClefModel(backbone, head).eval()
         self._seen: list[tuple[tuple, Any]] = []
         self._tower: list[Any] = []
