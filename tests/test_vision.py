@@ -441,6 +441,7 @@ def test_release_and_check_release_with_image_requests(release, tmp_path, monkey
     assert s["max_abs_dp"] <= 1e-5 and s["bar"] == 1e-5
     im = s["images"]
     assert im["through_vision"] == 5 and im["host_patches_equal"] and im["vision_rel_max_abs_d"] < 1e-4
+    assert im["host_prompt_equal"]
     t = json.loads((tmp_path / "t.json").read_text())
     assert [e["id"] for e in t["does_not_fit"]] == ["image-poster-over-cap"]
     assert "exceed the vision asset's cap of 1024" in t["does_not_fit"][0]["why"]
@@ -495,3 +496,34 @@ def test_a_config_whose_image_token_is_not_the_tokenizers_is_refused(release, tm
     res = runner.invoke(app, ["check-release", str(rel), "--bundle", str(head), "--requests",
                               str(ROOT / "conversion" / "requests-images.jsonl")])
     assert res.exit_code == 3 and "config.json: image_token_id 5 is not the tokenizer's <|image_pad|>" in res.output, res.output[-2000:]
+
+
+def test_the_hosts_image_prompt_is_the_authors(release, author_module):
+    """The text-only prompt with the image's N + 3 tokens inserted after the prefix and every span
+    shifted: the author's encode_record with the image, through the assembled processor; a shift
+    off by one is seen."""
+    from transformers import AutoTokenizer
+
+    from clef_flash.sources.reference import image_text_processor
+    from clef_flash.vision.prompt import ImagePrompt, insert_image, shift_span
+
+    tok = AutoTokenizer.from_pretrained(release)
+    proc = image_text_processor(release, tok)
+    body = json.loads((ROOT / "conversion" / "requests-images.jsonl").read_text().splitlines()[2])
+    body["images"] = [str(ROOT / "conversion" / "images" / "receipt-tall.png")]
+    theirs = author_module.encode_record(tok, body, processor=proc)
+    text = author_module.encode_record(tok, {k: v for k, v in body.items() if k != "images"}, processor=proc)
+    n = sum(1 for i in theirs.input_ids if i == proc.image_token_id)
+    assert n == 114  # 19 x 6, the receipt's grid
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}
+    at = theirs.media["token_offset"]
+    prompt = insert_image(text.input_ids, at, n, start_id=ids["<|vision_start|>"], pad_id=ids["<|image_pad|>"],
+                          end_id=ids["<|vision_end|>"], newline=tok("\n", add_special_tokens=False).input_ids)
+    assert prompt.ids == tuple(theirs.input_ids) and prompt.shift == n + 3 and prompt.start == at + 1
+    for q_text, q_img in zip(text.questions, theirs.questions, strict=True):
+        assert shift_span(q_text.question_span, prompt) == q_img.question_span
+        assert tuple(shift_span(o, prompt) for o in q_text.option_spans) == q_img.option_spans
+    late = ImagePrompt(prompt.ids, prompt.start, prompt.tokens, prompt.shift + 1)
+    assert shift_span(text.questions[0].question_span, late) != theirs.questions[0].question_span
+    with pytest.raises(ValueError, match="outside the prompt"):
+        insert_image([1, 2], 5, 3, start_id=0, pad_id=0, end_id=0, newline=[])

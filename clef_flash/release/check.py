@@ -408,6 +408,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
                     im = prepared[len(entries) - 1]
                     theirs = np.asarray(seen.record.media["pixel_values"])
                     entry["image"]["host_patches_equal"] = bool(theirs.shape == im.patches.shape and np.array_equal(theirs, im.patches))
+                    entry["image"]["host_prompt_equal"] = host_prompt_equal(ref_model, req.body, seen, im.grid.tokens)
                     entry["image"]["function"] = f"n{im.bucket}"
                 questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
                 if cfg.red == "spans":
@@ -491,6 +492,9 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     for e in with_image:
         if "host_patches_equal" in e["image"] and not e["image"]["host_patches_equal"]:
             failures.append(f"{e['id']}: the host's patches differ from the author's processor's pixel_values")
+        if "host_prompt_equal" in e["image"] and not e["image"]["host_prompt_equal"]:
+            failures.append(f"{e['id']}: the host's image prompt (the text prompt, the image's N + 3 tokens inserted, "
+                            f"the spans shifted) differs from the author's")
     image_dp = [c["max_abs_dp"] for e in with_image for c in e.get("compare", {}).values()]
     checks.append(("release head = bundle's source", True, f"{manifest.head.source.hf_id}"))
     checks.append(("lexical table", True, f"{table_info['table']} ({table_info['source_file']})"))
@@ -519,6 +523,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
                    "max_abs_dp": max(image_dp, default=0.0),
                    "vision_rel_max_abs_d": max((e["image"].get("vision_rel_max_abs_d", 0.0) for e in with_image), default=0.0),
                    "host_patches_equal": all(e["image"].get("host_patches_equal", True) for e in with_image),
+                   "host_prompt_equal": all(e["image"].get("host_prompt_equal", True) for e in with_image),
                    "native_grid": True, "port_square_tile_max_abs_dp": PORT_SQUARE_TILE_DP,
                    "vision": None if vision is None else {"bundle": str(vision.bundle), "compute": vision.manifest.export.compute,
                                                           "asset_sha256": vision.manifest.export.main_mlirb.sha256,
@@ -550,6 +555,24 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         "versions": tool_versions(extra=("transformers", "accelerate", "tokenizers")),
     }
     return CheckReport(checks=checks, transcript=transcript, failures=failures)
+
+
+def host_prompt_equal(ref_model, body: dict[str, Any], seen, tokens: int) -> bool:
+    """Whether the host's image prompt (``vision.prompt``: the same request's text-only prompt with
+    the image's tokens inserted after the prefix and the spans shifted) is the author's."""
+    from ..vision.prompt import insert_image, shift_span
+
+    tok = ref_model.processor.tokenizer
+    text = ref_model.encode({k: v for k, v in body.items() if k not in ("images", "media_kwargs")})
+    at = seen.record.media.get("token_offset") if seen.record.media else None
+    if at is None:
+        return False
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")}
+    prompt = insert_image(text.input_ids, at, tokens, start_id=ids["<|vision_start|>"], pad_id=ids["<|image_pad|>"],
+                          end_id=ids["<|vision_end|>"], newline=tok("\n", add_special_tokens=False).input_ids)
+    spans = [(shift_span(q.question_span, prompt), tuple(shift_span(o, prompt) for o in q.option_spans)) for q in text.questions]
+    theirs = [(q.question_span, tuple(q.option_spans)) for q in seen.record.questions]
+    return prompt.ids == tuple(seen.ids.tolist()) and spans == theirs
 
 
 def image_not_run(ref_model, backbone, vision) -> str | None:
