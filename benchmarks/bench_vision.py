@@ -40,12 +40,9 @@ def calls(bundle: Path, release: Path, buckets: list[int]) -> list[dict]:
     from clef_flash.backbone.weights import locate
     from clef_flash.gate.backbone import _compare
     from clef_flash.gate.vision import gate_grid, reference_tower
-    from clef_flash.vision.contract import INPUT_ORDER, VisionConfig, read_preprocessing, weight_names
-    from clef_flash.vision.host import image_rows, tower_inputs
+    from clef_flash.vision.contract import VisionConfig, read_preprocessing, weight_names
     from clef_flash.vision.preprocess import pixel_patches
-
-    from coreai.authoring.asset import AIModelAsset
-    from coreai.runtime import NDArray
+    from clef_flash.vision.runtime import runner
 
     m = json.loads((bundle / "metadata.json").read_text())
     cfg = VisionConfig(**m["tower"]["vision_config"])
@@ -70,17 +67,14 @@ def calls(bundle: Path, release: Path, buckets: list[int]) -> list[dict]:
     async def run():
         out = []
         t0 = time.perf_counter()
-        async with AIModelAsset.load(next(bundle.glob("*.aimodel"))).executable() as model:
+        async with runner(next(bundle.glob("*.aimodel")), cfg) as (call, _functions):
             load = time.perf_counter() - t0
             for b, grid, px in cases:
-                call = tower_inputs(px, grid, cfg, b)
-                fn = model.load_function(call.function)
                 t0 = time.perf_counter()
-                res = await fn({k: NDArray(np.ascontiguousarray(call.inputs[k])) for k in INPUT_ORDER})
+                got, c = await call(px, grid, b)
                 secs = time.perf_counter() - t0
-                got = image_rows(np.array(res["image_embeds"].numpy(), dtype=np.float32), call)
                 rel, cos = _compare(got, wants[b])
-                out.append({"function": call.function, "image": f"{grid.cols * pre.patch_size}x{grid.rows * pre.patch_size}",
+                out.append({"function": c.function, "image": f"{grid.cols * pre.patch_size}x{grid.rows * pre.patch_size}",
                             "tokens": grid.tokens, "patches": grid.patches, "seconds": round(secs, 1),
                             "torch_eager_seconds": round(wants[(b, "s")], 1), "rel_max_abs_d": rel,
                             "min_row_cosine": cos, "load_seconds": round(load, 1)})

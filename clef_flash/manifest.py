@@ -180,3 +180,11 @@ HEAD_DESCRIPTIVE_KEYS = (
     "shape", "functions", "buckets", "dims", "host_pad", "host_pad_rule",
     "inputs", "input_order", "outputs", "weights", "softmax", "lexical",
 )
+
+
+def json_schema_of(model: type[BaseModel], schema_file: str) -> dict[str, Any]:
+    """A manifest model's JSON Schema as ``manifests/*.schema.json`` holds it (draft 2020-12, its id)."""
+    schema = model.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = f"clef-export/{schema_file}"
+    return schema

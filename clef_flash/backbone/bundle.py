@@ -15,30 +15,33 @@ from .files import TOKENIZER_DIR
 from ..progress import plural
 
 
-def check_files(bundle: Path):
-    """The manifest, its asset and tokenizer files; ``IntegrityError`` naming the first broken file."""
+def read_asset_bundle(bundle: Path, model, what: str):
+    """A Core AI bundle's manifest (as ``model``), its asset folder, and ``main.mlirb`` / ``main.hash``
+    against it (``aimodel.check_files``); ``IntegrityError`` naming the first broken file."""
+    from ..formats.aimodel import check_files as check_asset
     from ..layout import MANIFEST_FILE
-    from ..manifest import check_file
-    from ..backbone.manifest import BackboneManifest
 
     path = Path(bundle) / MANIFEST_FILE
     try:
-        m = BackboneManifest.model_validate_json(path.read_bytes())
+        m = model.model_validate_json(path.read_bytes())
     except FileNotFoundError:
         raise IntegrityError(f"{path}: missing") from None
     except ValueError as exc:
-        raise IntegrityError(f"{path}: not a backbone manifest ({str(exc).splitlines()[0]})") from None
+        raise IntegrityError(f"{path}: not a {what} manifest ({str(exc).splitlines()[0]})") from None
     asset = Path(bundle) / m.assets["main"]
-    digest = check_file(asset / "main.mlirb", m.export.main_mlirb)
-    if not (asset / "main.hash").is_file() or (asset / "main.hash").read_bytes().hex() != digest:
-        raise IntegrityError(f"{asset / 'main.hash'}: does not hold the sha256 of main.mlirb")
+    return m, asset, check_asset(m, asset)
+
+
+def check_files(bundle: Path):
+    """The manifest, its asset and tokenizer files; ``IntegrityError`` naming the first broken file."""
+    from ..backbone.manifest import BackboneManifest
+
+    m, asset, checks = read_asset_bundle(bundle, BackboneManifest, "backbone")
     for name, want in m.tokenizer.items():
         f = Path(bundle) / TOKENIZER_DIR / name
         if not f.is_file() or sha256_file(f) != want:
             raise IntegrityError(f"{f}: missing or its sha256 differs from the manifest's")
-    checks = [("main.mlirb sha256 = manifest", True, digest[:16]), ("main.hash = sha256(main.mlirb)", True, "ok"),
-              ("tokenizer files = manifest", True, f"{plural(len(m.tokenizer), 'file')}")]
-    return m, asset, checks
+    return m, asset, checks + [("tokenizer files = manifest", True, f"{plural(len(m.tokenizer), 'file')}")]
 
 
 _DTYPES = {"Float32": "fp32", "Float16": "fp16", "Int32": "int32"}

@@ -48,12 +48,9 @@ def example_args(cfg: TextConfig, ch: Chunking, state_dtype):
 
 def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str], None] = lambda m: None):
     """The exported, decomposed program of one chunk."""
-    import gc
-
     import torch
     from torch.export import Dim
 
-    from ..formats.aimodel import import_toolchain
     from ..head.tracing import no_stack_traces
 
     seq = Dim("seq", min=ch.chunk, max=ch.context)
@@ -66,7 +63,19 @@ def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str
         ep = torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
         log(f"traced {len(cfg.layer_types)} layers in {time.perf_counter() - t0:.1f} s")
         release_freed_memory()
-        t0 = time.perf_counter()
+        return decompose(ep, log)  # still without stack traces: the decomposition re-traces
+
+
+def decompose(ep, log: Callable[[str], None] = lambda m: None):
+    """``run_decompositions`` with coreai-torch's table (conv, softplus, index_copy … lowered), the
+    example inputs dropped (nothing reads them again)."""
+    import gc
+
+    from ..formats.aimodel import import_toolchain
+
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
         ep = ep.run_decompositions(import_toolchain().get_decomp_table())
     ep.example_inputs = None
     gc.collect()

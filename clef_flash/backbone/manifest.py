@@ -138,7 +138,6 @@ IMAGE_RULE = ("one image of N <= image_rows tokens on a merged grid H x W, its f
 
 
 def json_schema() -> dict[str, Any]:
-    schema = BackboneManifest.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"clef-export/{SCHEMA_FILE}"
-    return schema
+    from ..manifest import json_schema_of
+
+    return json_schema_of(BackboneManifest, SCHEMA_FILE)

@@ -61,10 +61,9 @@ class WeightPlan(Strict):
 
 
 def json_schema() -> dict[str, Any]:
-    schema = WeightPlan.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"clef-export/{SCHEMA_FILE}"
-    return schema
+    from ..manifest import json_schema_of
+
+    return json_schema_of(WeightPlan, SCHEMA_FILE)
 
 
 def load_plan(path: Path) -> WeightPlan:

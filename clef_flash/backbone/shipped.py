@@ -56,21 +56,32 @@ class ShippedBackbone:
         return None
 
 
-def open_backbone(bundle: Path, release: Path, hidden_size: int) -> ShippedBackbone:
+def check_built_from(bundle: Path, release: Path, files: dict[str, str], what: str,
+                     digests: dict[str, str] | None = None) -> tuple[str, bool, str]:
+    """The release's files against a bundle manifest's source digests (the bundle was built from this
+    release); ``IntegrityError`` naming the first that is not. ``digests``: file -> sha256 already
+    taken in this command (the backbone and the vision bundle name the same shards: hashed once)."""
+    digests = {} if digests is None else digests
+    for name, want in sorted(files.items()):
+        path = release / name
+        if not path.is_file():
+            raise IntegrityError(f"{path}: missing; the {what} {bundle} was built from a release that has it")
+        if name not in digests:
+            digests[name] = sha256_file(path)
+        if digests[name] != want:
+            raise IntegrityError(f"{path}: sha256 differs from {bundle}'s manifest: the {what} was built from "
+                                 f"another release")
+    return (f"release {what} files = bundle's source", True, f"{plural(len(files), 'file')}")
+
+
+def open_backbone(bundle: Path, release: Path, hidden_size: int, digests: dict[str, str] | None = None) -> ShippedBackbone:
     """The bundle checked, and checked to be this release's backbone; ``IntegrityError`` naming the
     first file that is not."""
     from .bundle import check_files, descriptor_checks
 
     bundle, release = Path(bundle), Path(release)
     m, asset, checks = check_files(bundle)
-    for name, want in sorted(m.source.files.items()):
-        path = release / name
-        if not path.is_file():
-            raise IntegrityError(f"{path}: missing; the backbone {bundle} was built from a release that has it")
-        if sha256_file(path) != want:
-            raise IntegrityError(f"{path}: sha256 differs from {bundle}'s manifest: the backbone was built from "
-                                 f"another release")
-    checks.append(("release backbone files = bundle's source", True, f"{plural(len(m.source.files), 'file')}"))
+    checks.append(check_built_from(bundle, release, m.source.files, "backbone", digests))
     for name, want in sorted(m.tokenizer.items()):
         path = release / name
         if not path.is_file() or sha256_file(path) != want:

@@ -11,7 +11,6 @@ built in a temporary sibling folder, so it lands whole or not at all.
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 from ..bundle import atomic_write_bytes, atomic_write_json, check_free_space, check_output_path
@@ -28,14 +27,13 @@ from ..backbone.contract import weight_names
 from ..backbone.quantize import compressed_names
 from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface, Language, TensorSpec
 from ..backbone.manifest import Compression, LayerWeights, PlanRef
-from ..backbone.files import TOKENIZER_DIR, BackgroundHashes, check_pinned, read_files, release_config, verify_files
+from ..backbone.files import TOKENIZER_DIR, check_pinned, read_files, release_config, verify_files
 from ..backbone.weights import asset_bytes, locate, scratch_bytes
 from ..gate.backbone import BackboneVerifyConfig, tolerances, verify_backbone
 from ..sources.safetensors import shard_files
 
 from .config import BuildConfig, Made, Plan, bundle_name
-from .process import run_export
-from ..progress import plural
+from .process import run_export_hashing
 
 MODEL = "backbone"
 SHIPS_LM_HEAD_TABLE = True  # a release with the backbone is the whole model: the host's lexical table ships too
@@ -205,20 +203,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
            "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": p.extra["compressed"]} if scheme else None,
            "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                            f"prefill chunk {recipe.chunk}, weights {recipe.weights}, compute {recipe.compute}"}}
-    hashes = BackgroundHashes(source, pins, p.deferred) if p.deferred else None
-    try:
-        timings = run_export(asset_dir, job, log)
-    except BaseException:
-        if hashes is not None:
-            hashes.stop()
-        raise
-    if hashes is not None:  # a shard that fails its pin fails the build here, named
-        t0 = time.perf_counter()
-        found = {**p.files, **hashes.result()}
-        p.files = {n: found[n] for n in read_files(source)}  # the plan's order
-        p.info["files"] = p.files
-        log(f"{plural(len(p.deferred), 'shard')} matched their pins (hashed beside the export; "
-            f"{time.perf_counter() - t0:.1f} s waited)")
+    timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
     tok_dir = tmp / TOKENIZER_DIR
     tok_dir.mkdir()
     tokenizer = {}

@@ -37,6 +37,32 @@ def run_export(asset_dir: Path, job: dict, log: Callable[[str], None] = lambda m
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def run_export_hashing(p, asset_dir: Path, job: dict, order: list[str], log: Callable[[str], None] = lambda msg: None) -> dict:
+    """``run_export`` with the plan's deferred shards hashed beside it (``backbone.files.BackgroundHashes``,
+    stopped if the export fails); a shard that fails its pin fails the build here, named. ``p.files``
+    becomes every checked digest in ``order`` (the plan's)."""
+    import time
+
+    from ..backbone.files import BackgroundHashes
+    from ..progress import plural
+
+    hashes = BackgroundHashes(p.source, p.pins, p.deferred) if p.deferred else None
+    try:
+        timings = run_export(asset_dir, job, log)
+    except BaseException:
+        if hashes is not None:
+            hashes.stop()
+        raise
+    if hashes is not None:
+        t0 = time.perf_counter()
+        found = {**p.files, **hashes.result()}
+        p.files = {n: found[n] for n in order}
+        p.info["files"] = p.files
+        log(f"{plural(len(p.deferred), 'shard')} matched their pins (hashed beside the export; "
+            f"{time.perf_counter() - t0:.1f} s waited)")
+    return timings
+
+
 def _run_worker(cmd: list[str], env: dict[str, str], asset_dir: Path, log: Callable[[str], None]) -> dict:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     other: list[str] = []

@@ -11,7 +11,6 @@ never assumed (the shards' sha256 against the pins, every weight blob against th
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 from ..bundle import atomic_write_json, check_free_space, check_output_path
@@ -24,7 +23,7 @@ from ..sources.pinning import BACKBONE_CONFIG
 from ..sources.pins import load_pins
 from ..sources.safetensors import INDEX_FILE, shard_files
 from ..provenance import asset_description, build_date, build_record
-from ..backbone.files import BackgroundHashes, check_pinned, verify_files
+from ..backbone.files import check_pinned, verify_files
 from ..backbone.manifest import BackboneSource, TensorSpec
 from ..backbone.weights import locate, scratch_bytes
 from ..vision.contract import (INPUT_ORDER, KIND, OUTPUT_NAMES, PREPROCESSOR_CONFIG, VisionConfig, function_name,
@@ -34,8 +33,7 @@ from ..vision.manifest import (HOST_CALL, METADATA_VERSION, PREPROCESS_RULE, Fun
 from ..gate.vision import VisionVerifyConfig, tolerances, verify_vision
 
 from .config import BuildConfig, Made, Plan, bundle_name
-from .process import run_export
-from ..progress import plural
+from .process import run_export_hashing
 
 MODEL = "vision"
 SHIPS_LM_HEAD_TABLE = False
@@ -118,20 +116,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
            "buckets": list(recipe.buckets), "compute": recipe.compute,
            "description": {**asset_description(pins), "description": f"Qwen3.5 vision tower of {pins.label}, "
                            f"buckets {list(recipe.buckets)} tokens, weights {recipe.weights}, compute {recipe.compute}"}}
-    hashes = BackgroundHashes(source, pins, p.deferred) if p.deferred else None
-    try:
-        timings = run_export(asset_dir, job, log)
-    except BaseException:
-        if hashes is not None:
-            hashes.stop()
-        raise
-    if hashes is not None:
-        t0 = time.perf_counter()
-        found = {**p.files, **hashes.result()}
-        p.files = {n: found[n] for n in read_files(source)}
-        p.info["files"] = p.files
-        log(f"{plural(len(p.deferred), 'shard')} matched their pins (hashed beside the export; "
-            f"{time.perf_counter() - t0:.1f} s waited)")
+    timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
     known = {"main.mlirb": (asset_dir / "main.hash").read_bytes().hex()}
     outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir, known).items()}
     mlirb = asset_dir / "main.mlirb"

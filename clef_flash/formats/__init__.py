@@ -86,8 +86,7 @@ def load_manifest(data: bytes) -> BaseModel:
 
 
 def json_schema(fmt: str = DEFAULT_FORMAT) -> dict[str, Any]:
+    from ..manifest import json_schema_of
+
     b = backend(fmt)
-    schema = b.Manifest.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"clef-export/{b.SCHEMA_FILE}"
-    return schema
+    return json_schema_of(b.Manifest, b.SCHEMA_FILE)

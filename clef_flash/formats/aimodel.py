@@ -170,25 +170,28 @@ def trace_program(graph, buckets: tuple[int, ...], hidden_size: int, q_pad: int,
     return ep
 
 
-def _specialise(program, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int) -> None:
-    """One static function per bucket from the dynamic-T graph, named like the rest (t512 …)."""
+def specialise(program, entry: str, shapes: dict[int, dict[str, tuple[int, ...]]], name_of: Callable[[int], str]) -> None:
+    """One static function per bucket from the dynamic entrypoint ``entry`` (``shapes``: bucket -> the
+    dynamic inputs' static shapes), each named ``name_of(bucket)``."""
     from coreai._compiler.ir import StringAttr
     from coreai.authoring.graph_builder import GraphOp
 
-    from ..head.tracing import T_AXES
-
-    config = {}
-    for b in buckets:
-        shapes = contract.input_shapes(b, hidden_size, q_pad, o_pad)
-        config[f"b{b}"] = {n: shapes[n] for n in T_AXES}
-    program.set_static_shape_config(DYNAMIC_ENTRY, config)  # -> graphs tdyn_b512, tdyn_b1024, …
-    prefix = f"{DYNAMIC_ENTRY}_b"
-    # coreai names the clones <entrypoint>_<key>; the manifest's names are t<T> (private IR access,
-    # pinned to coreai-core 1.0.0b3)
+    program.set_static_shape_config(entry, {f"b{b}": s for b, s in shapes.items()})  # -> graphs <entry>_b512, …
+    prefix = f"{entry}_b"
+    # coreai names the clones <entrypoint>_<key>; the manifest's names are the model's own (private IR
+    # access, pinned to coreai-core 1.0.0b3)
     with program._module:  # noqa: SLF001
         for op in program._module._body.region.blocks[0].operations:  # noqa: SLF001
             if isinstance(op, GraphOp) and op.sym_name.value.startswith(prefix):
-                op.attributes["sym_name"] = StringAttr.get(contract.function_name(int(op.sym_name.value[len(prefix):])))
+                op.attributes["sym_name"] = StringAttr.get(name_of(int(op.sym_name.value[len(prefix):])))
+
+
+def _specialise(program, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int) -> None:
+    """One static function per bucket from the dynamic-T graph, named like the rest (t512 …)."""
+    from ..head.tracing import T_AXES
+
+    shapes = {b: contract.input_shapes(b, hidden_size, q_pad, o_pad) for b in buckets}
+    specialise(program, DYNAMIC_ENTRY, {b: {n: s[n] for n in T_AXES} for b, s in shapes.items()}, contract.function_name)
 
 
 def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str], None] = lambda msg: None):

@@ -232,8 +232,6 @@ def image_record(text, chunk: int, context: int, image_rows: int, source: Path, 
     """The gate's image record: a few text tokens, ``<|vision_start|>``-like text, an image of a
     non-square merged grid H x W (H < W) spanning a chunk boundary, text after it; the image's rows
     seeded, of the size of the release's embedding rows (the decoder's normal regime)."""
-    import math
-
     from ..backbone.host import ImageSpan
     from ..backbone.weights import as_f32, locate
     from ..backbone.contract import LM
@@ -291,25 +289,17 @@ def _dequantized(mlirb: Path, found, scheme, name: str, red: str | None = None):
     return None if f is None else dequantized(mlirb, f, scheme, red)
 
 
-def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> BackboneReport:
-    from ..sources.pins import load_pins
-    from ..provenance import tool_versions
+def release_of(cfg, m, checks: list) -> tuple[Any, Path]:
+    """The pins and the release folder a bundle's gate runs against: the manifest's source files must
+    be the pins' (before any hashing or numeric work: exit 3, at once), then the release's files
+    hashed against them unless the build's plan just did (``cfg.checked``)."""
+    from ..backbone.files import verify_files
     from ..sources.fetch import resolve_source
-    from ..backbone import host
-    from ..progress import counting, progress
-    from ..backbone.asset_weights import compare
-    from ..backbone.reference import StreamedTextModel
-    from ..backbone.contract import weight_names
-    from ..backbone.files import release_config, verify_files
-    from ..backbone.runtime import runner
-    from ..backbone.quantize import layer_of
-    from ..backbone.weights import locate
+    from ..sources.pins import load_pins
 
-    t_start = time.perf_counter()
-    m, asset, checks = check_files(cfg.bundle)
     pins = cfg.pins or load_pins(cfg.pins_path)
     other = sorted(k for k in m.source.files if pins.files.get(k) != m.source.files[k])
-    if other or m.source.hf_id != pins.hf_id:  # before any hashing or numeric work (exit 3, at once)
+    if other or m.source.hf_id != pins.hf_id:
         why = f"{other[0]} differs" if other else f"it names {m.source.hf_id}"
         raise IntegrityError(f"{cfg.bundle}: built from another release than {pins.label} ({why}); pass the release "
                              f"it was built from (--source, --pins)")
@@ -317,6 +307,24 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     if cfg.checked is None or any(cfg.checked.get(n) != d for n, d in m.source.files.items()):
         verify_files(source, pins, cfg.pins_path, sorted(m.source.files))
     checks.append(("manifest source = release files", True, f"{plural(len(m.source.files), 'file')}, sha256 = pins"))
+    return pins, source
+
+
+def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> BackboneReport:
+    from ..provenance import tool_versions
+    from ..backbone import host
+    from ..progress import counting, progress
+    from ..backbone.asset_weights import compare
+    from ..backbone.reference import StreamedTextModel
+    from ..backbone.contract import weight_names
+    from ..backbone.files import release_config
+    from ..backbone.runtime import runner
+    from ..backbone.quantize import layer_of
+    from ..backbone.weights import locate
+
+    t_start = time.perf_counter()
+    m, asset, checks = check_files(cfg.bundle)
+    pins, source = release_of(cfg, m, checks)
     text = cfg.text or release_config(source)
     compute = m.export.compute
     chunk, context = m.language.prefill_chunk, m.language.max_context

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import IntegrityError, UsageError
+from ..errors import UsageError
 from ..interrupts import run_async
 from ..progress import plural
 from ..report import Report
@@ -227,28 +227,16 @@ def verify_vision(cfg: VisionVerifyConfig, log=lambda msg: None) -> VisionReport
     from PIL import Image
 
     from ..backbone.asset_weights import compare
-    from ..backbone.files import verify_files
     from ..backbone.weights import locate
     from ..provenance import tool_versions
-    from ..sources.fetch import resolve_source
-    from ..sources.pins import load_pins
-    from ..vision.contract import INPUT_ORDER, VisionConfig, read_preprocessing, weight_names
-    from ..vision.host import image_rows, tower_inputs
+    from ..vision.contract import VisionConfig, function_name, read_preprocessing, weight_names
+    from ..vision.runtime import runner
     from ..vision.preprocess import pixel_patches
-    from .backbone import _compare
+    from .backbone import _compare, release_of
 
     t_start = time.perf_counter()
     m, asset, checks = check_files(cfg.bundle)
-    pins = cfg.pins or load_pins(cfg.pins_path)
-    other = sorted(k for k in m.source.files if pins.files.get(k) != m.source.files[k])
-    if other or m.source.hf_id != pins.hf_id:
-        why = f"{other[0]} differs" if other else f"it names {m.source.hf_id}"
-        raise IntegrityError(f"{cfg.bundle}: built from another release than {pins.label} ({why}); pass the release "
-                             f"it was built from (--source, --pins)")
-    source = resolve_source(cfg.source, pins)
-    if cfg.checked is None or any(cfg.checked.get(n) != d for n, d in m.source.files.items()):
-        verify_files(source, pins, cfg.pins_path, sorted(m.source.files))
-    checks.append(("manifest source = release files", True, f"{plural(len(m.source.files), 'file')}, sha256 = pins"))
+    pins, source = release_of(cfg, m, checks)
     vcfg = VisionConfig(**m.tower.vision_config)
     pre = read_preprocessing(source, vcfg)
     compute = m.export.compute
@@ -294,28 +282,17 @@ def verify_vision(cfg: VisionVerifyConfig, log=lambda msg: None) -> VisionReport
         gc.collect()
 
         async def run_all():
-            from coreai.authoring.asset import AIModelAsset
-            from coreai.runtime import NDArray
-
-            from ..quiet import native_stderr
-            from ..tmpdirs import owned_tempdir
-
             out = []
-            with native_stderr(), owned_tempdir(cfg.scratch):
-                async with AIModelAsset.load(asset).executable() as model:
-                    have = set(model.function_names)
-                    missing = [f.name for f in m.interface.functions if f.name not in have]
-                    checks.append(("functions = manifest", not missing,
-                                   f"{', '.join(sorted(have))}" + (f"; missing {missing[0]}" if missing else "")))
-                    for name, b, grid, px, arm in cases:
-                        call = tower_inputs(px, grid, vcfg, b)
-                        fn = model.load_function(call.function)
-                        if fn is None:
-                            continue
-                        t0 = time.perf_counter()
-                        res = await fn({k: NDArray(np.ascontiguousarray(call.inputs[k])) for k in INPUT_ORDER})
-                        got = image_rows(np.array(res["image_embeds"].numpy(), dtype=np.float32, copy=True), call)
-                        out.append((name, call, arm, got, time.perf_counter() - t0))
+            async with runner(asset, vcfg, cfg.scratch) as (call, have):
+                missing = [f.name for f in m.interface.functions if f.name not in have]
+                checks.append(("functions = manifest", not missing,
+                               f"{', '.join(sorted(have))}" + (f"; missing {missing[0]}" if missing else "")))
+                for name, b, grid, px, arm in cases:
+                    if function_name(b) not in have:  # a failed check above: the other functions still run
+                        continue
+                    t0 = time.perf_counter()
+                    got, c = await call(px, grid, b)
+                    out.append((name, c, arm, got, time.perf_counter() - t0))
             return out
 
         with warnings.catch_warnings():

@@ -296,6 +296,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     from ..manifest import pads
     from ..provenance import tool_versions
     from ..backbone.shipped import hidden_rows, open_backbone
+    from ..vision.shipped import open_vision, prepare
     from ..sources.reference import Reference, import_reference
 
     t_start = time.perf_counter()
@@ -330,8 +331,9 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     bar, bar_reason = BARS[cfg.dtype]
     mean_bar = None
     backbone = None
+    hashed: dict[str, str] = {}  # release file -> sha256, taken once for the backbone and the tower
     if cfg.backbone is not None:
-        backbone = open_backbone(Path(cfg.backbone), release, config.hidden_size)
+        backbone = open_backbone(Path(cfg.backbone), release, config.hidden_size, hashed)
         checks.extend(backbone.checks)
         bb_bar = BACKBONE_BARS["compressed" if backbone.manifest.export.weights != "fp16" else backbone.compute]
         if bb_bar["max_abs_dp"] > bar:
@@ -341,9 +343,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         mean_bar = bb_bar["mean_abs_dp"]
     vision = None
     if cfg.vision is not None:
-        from ..vision.shipped import open_vision
-
-        vision = open_vision(Path(cfg.vision), release, config.hidden_size)
+        vision = open_vision(Path(cfg.vision), release, config.hidden_size, hashed)
         checks.extend(vision.checks)
 
     with tempfile.TemporaryDirectory(prefix="clef-check-") as tmp:
@@ -381,8 +381,6 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
                 try:
                     bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets)
                     if req.images and vision is not None:
-                        from ..vision.shipped import prepare
-
                         im = prepare(vision, req.images[0], req.body.get("media_kwargs"))
                         entry["image"].update({"tokens": im.grid.tokens, "grid": list(im.grid.merged)})
                         if im.bucket is None:

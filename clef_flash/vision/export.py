@@ -10,7 +10,6 @@ bf16 matrices are converted to fp16 straight into ``main.mlirb`` (``backbone.wei
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import time
 import warnings
@@ -47,7 +46,7 @@ def trace(module, cfg: VisionConfig, buckets: tuple[int, ...], log: Callable[[st
     import torch
     from torch.export import Dim
 
-    from ..formats.aimodel import import_toolchain
+    from ..backbone.export import decompose
     from ..head.tracing import no_stack_traces
 
     dynamic = None
@@ -60,30 +59,16 @@ def trace(module, cfg: VisionConfig, buckets: tuple[int, ...], log: Callable[[st
         warnings.simplefilter("ignore")
         ep = torch.export.export(module, example_args(cfg, max(buckets)), dynamic_shapes=dynamic, strict=False)
         log(f"traced {cfg.depth} blocks for {', '.join(function_name(b) for b in buckets)} in {time.perf_counter() - t0:.1f} s")
-        t0 = time.perf_counter()
-        ep = ep.run_decompositions(import_toolchain().get_decomp_table())
-    ep.example_inputs = None
-    gc.collect()
-    log(f"decomposed in {time.perf_counter() - t0:.1f} s")
-    return ep
+        return decompose(ep, log)  # still without stack traces: the decomposition re-traces
 
 
 def _specialise(program, cfg: VisionConfig, buckets: tuple[int, ...]) -> None:
-    """One static function per bucket from the dynamic graph, named ``n<N>`` (private IR access,
-    pinned to coreai-core 1.0.0b3, as the head's ``aimodel._specialise``)."""
-    from coreai._compiler.ir import StringAttr
-    from coreai.authoring.graph_builder import GraphOp
+    """One static function per bucket from the dynamic graph, named ``n<N>`` (``aimodel.specialise``)."""
+    from ..formats.aimodel import specialise
 
-    config = {}
-    for b in buckets:
-        shapes = input_shapes(cfg, b)
-        config[f"b{b}"] = {n: shapes[n] for n in INPUT_ORDER if n != "patch_count"}
-    program.set_static_shape_config(DYNAMIC_ENTRY, config)
-    prefix = f"{DYNAMIC_ENTRY}_b"
-    with program._module:  # noqa: SLF001
-        for op in program._module._body.region.blocks[0].operations:  # noqa: SLF001
-            if isinstance(op, GraphOp) and op.sym_name.value.startswith(prefix):
-                op.attributes["sym_name"] = StringAttr.get(function_name(int(op.sym_name.value[len(prefix):])))
+    shapes = {b: input_shapes(cfg, b) for b in buckets}
+    specialise(program, DYNAMIC_ENTRY, {b: {n: s[n] for n in INPUT_ORDER if n != "patch_count"} for b, s in shapes.items()},
+               function_name)
 
 
 def convert(programs: list[tuple[str, tuple[int, ...], object]], cfg: VisionConfig,

@@ -92,7 +92,6 @@ HOST_CALL = ("one image per call: N = gh * gw / merge^2 tokens; the smallest buc
 
 
 def json_schema() -> dict[str, Any]:
-    schema = VisionManifest.model_json_schema()
-    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
-    schema["$id"] = f"clef-export/{SCHEMA_FILE}"
-    return schema
+    from ..manifest import json_schema_of
+
+    return json_schema_of(VisionManifest, SCHEMA_FILE)

@@ -18,11 +18,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..digest import sha256_file
 from ..errors import IntegrityError
 from ..interrupts import run_async
 from ..progress import plural
-from .contract import INPUT_ORDER, Preprocessing, VisionConfig
+from .contract import Preprocessing, VisionConfig
 from .preprocess import Grid
 
 
@@ -52,18 +51,14 @@ class PreparedImage:
     bucket: int | None  # None: over the cap
 
 
-def open_vision(bundle: Path, release: Path, hidden_size: int) -> ShippedVision:
+def open_vision(bundle: Path, release: Path, hidden_size: int, digests: dict[str, str] | None = None) -> ShippedVision:
+    """The bundle checked, and checked to be this release's tower (``digests``: as ``open_backbone``'s)."""
+    from ..backbone.shipped import check_built_from
     from .bundle import check_files
 
     bundle, release = Path(bundle), Path(release)
     m, asset, checks = check_files(bundle)
-    for name, want in sorted(m.source.files.items()):
-        path = release / name
-        if not path.is_file():
-            raise IntegrityError(f"{path}: missing; the vision tower {bundle} was built from a release that has it")
-        if sha256_file(path) != want:
-            raise IntegrityError(f"{path}: sha256 differs from {bundle}'s manifest: the tower was built from another release")
-    checks.append(("release vision files = bundle's source", True, f"{plural(len(m.source.files), 'file')}"))
+    checks.append(check_built_from(bundle, release, m.source.files, "vision tower", digests))
     cfg = VisionConfig(**m.tower.vision_config)
     if cfg.out_hidden_size != hidden_size:
         raise IntegrityError(f"{bundle}: image rows of {cfg.out_hidden_size} values; the decoder takes {hidden_size}")
@@ -91,27 +86,15 @@ def prepare(vision: ShippedVision, file: Path, media_kwargs: dict[str, Any] | No
 def tower_rows(vision: ShippedVision, images: Sequence[PreparedImage]) -> list[np.ndarray]:
     """The tower asset's rows ``[N, out_hidden]`` (fp32) of each image, one call each."""
     from ..progress import progress
-    from .host import image_rows, tower_inputs
+    from .runtime import runner
 
     async def run() -> list[np.ndarray]:
-        from coreai.authoring.asset import AIModelAsset
-        from coreai.runtime import NDArray
-
-        from ..quiet import native_stderr
-        from ..tmpdirs import owned_tempdir
-
         out = []
-        with native_stderr(), owned_tempdir():
-            async with AIModelAsset.load(vision.asset).executable() as model:
-                with progress(f"vision: {plural(len(images), 'image')}", len(images), "calls") as tick:
-                    for im in images:
-                        call = tower_inputs(im.patches, im.grid, vision.cfg, im.bucket)
-                        fn = model.load_function(call.function)
-                        if fn is None:
-                            raise IntegrityError(f"{vision.asset}: function {call.function} not found")
-                        res = await fn({k: NDArray(np.ascontiguousarray(call.inputs[k])) for k in INPUT_ORDER})
-                        out.append(image_rows(np.array(res["image_embeds"].numpy(), dtype=np.float32, copy=True), call))
-                        tick()
+        async with runner(vision.asset, vision.cfg) as (call, _functions):
+            with progress(f"vision: {plural(len(images), 'image')}", len(images), "calls") as tick:
+                for im in images:
+                    out.append((await call(im.patches, im.grid, im.bucket))[0])
+                    tick()
         return out
 
     with warnings.catch_warnings():

@@ -1,0 +1,37 @@
+"""The vision asset through the Core AI runtime (it runs on Linux CPUs): loaded once, one call per
+image, its inputs padded to the image's bucket (``host.tower_inputs``) and the padding's rows dropped."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import IntegrityError
+from .contract import INPUT_ORDER, VisionConfig
+from .host import TowerCall, image_rows, tower_inputs
+
+
+@contextlib.asynccontextmanager
+async def runner(asset: Path, cfg: VisionConfig, scratch: Path | None = None):
+    """``(call, functions)``: ``await call(patches, grid, bucket) -> (rows [N, out_hidden] fp32, TowerCall)``;
+    ``functions`` the asset's. The runtime's compiled copy goes to a folder of this process's own
+    under ``scratch`` (default: the temp folder)."""
+    from coreai.authoring.asset import AIModelAsset
+    from coreai.runtime import NDArray
+
+    from ..quiet import native_stderr
+    from ..tmpdirs import owned_tempdir
+
+    with native_stderr(), owned_tempdir(scratch):
+        async with AIModelAsset.load(Path(asset)).executable() as model:
+            async def call(patches: np.ndarray, grid, bucket: int) -> tuple[np.ndarray, TowerCall]:
+                c = tower_inputs(patches, grid, cfg, bucket)
+                fn = model.load_function(c.function)
+                if fn is None:
+                    raise IntegrityError(f"{asset}: function {c.function} not found")
+                res = await fn({k: NDArray(np.ascontiguousarray(c.inputs[k])) for k in INPUT_ORDER})
+                return image_rows(np.array(res["image_embeds"].numpy(), dtype=np.float32, copy=True), c), c
+
+            yield call, set(model.function_names)
