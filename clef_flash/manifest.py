@@ -114,15 +114,20 @@ class Compilation(Strict):
     targets: list[str]
 
 
-def check_file(path: Path, want: FileDigest) -> str:
-    """A file against the size and sha256 its manifest gives; returns the digest, or raises
-    ``IntegrityError`` naming the file."""
+def check_file_size(path: Path, want: FileDigest) -> None:
+    """A file is there with the size its manifest gives, or ``IntegrityError`` naming it."""
     if not path.is_file():
         raise IntegrityError(f"{path}: missing")
     size = path.stat().st_size
     if size != want.bytes:
         raise IntegrityError(f"{path}: {size} bytes, the manifest says {want.bytes}")
-    digest = sha256_file(path)
+
+
+def check_file(path: Path, want: FileDigest, digest: str | None = None) -> str:
+    """A file against the size and sha256 its manifest gives; returns the digest, or raises
+    ``IntegrityError`` naming the file. ``digest``: its sha256 taken by a read the caller made anyway."""
+    check_file_size(path, want)
+    digest = digest or sha256_file(path)
     if digest != want.sha256:
         raise IntegrityError(f"{path}: sha256 {digest[:12]}… differs from the manifest's {want.sha256[:12]}…")
     return digest

@@ -332,6 +332,7 @@ def test_every_weight_in_the_asset_is_the_releases_and_a_changed_value_is_named(
     import shutil
 
     from clef_flash.backbone.asset_weights import compare
+    from clef_flash.digest import sha256_file
     from clef_flash.formats.mlirb import blobs
 
     for key, rel, scaled in (("tiny32", "tiny", True), ("other32", "other", True), ("other16", "other", False)):
@@ -339,6 +340,7 @@ def test_every_weight_in_the_asset_is_the_releases_and_a_changed_value_is_named(
         infos = _infos(releases[rel])
         r = compare(mlirb, releases[rel], infos, scaled=scaled)
         assert r.ok and len(r.matched) == r.tensors == sum(1 for t in infos.values() if len(t.shape) >= 2), r.checks()
+        assert r.file_sha256 == sha256_file(mlirb)  # the file's own hash, from the same read
         assert not compare(mlirb, releases[rel], infos, scaled=not scaled).ok  # the other recipe's bytes are not these
 
     # the asset side: one byte inside the largest blob
@@ -389,6 +391,59 @@ def test_bytecode_descriptor_is_the_runtimes(built, tmp_path):
                 assert spec["dtype"] in got["dtype"].replace("float", "fp"), (name, got)
 
 
+def test_the_release_side_started_early_gives_what_compare_computes(built, releases, tmp_path):
+    """``ReleaseSide`` (the build starts it beside the export, at a lower priority) gives each tensor's
+    digests as ``expected`` does; compare takes it; one started for another recipe is not used; a
+    stopped one or one whose release breaks does not pass for a result."""
+    import shutil
+
+    from clef_flash.backbone.asset_weights import ReleaseSide, compare, expected
+    from clef_flash.errors import IntegrityError
+
+    infos = _infos(releases["tiny"])
+    side = ReleaseSide(releases["tiny"], infos, True).start(background=True)
+    got = side.result()
+    assert got == [expected(releases["tiny"], t, True) for t in side.big] and len(got) == sum(len(t.shape) >= 2 for t in infos.values())
+    mlirb = next(built["tiny32"].glob("*.aimodel")) / "main.mlirb"
+    for early in (ReleaseSide(releases["tiny"], infos, True).start(background=True), ReleaseSide(releases["tiny"], infos, False)):
+        r = compare(mlirb, releases["tiny"], infos, scaled=True, release=early)  # the unscaled one is replaced
+        assert r.ok and len(r.matched) == r.tensors
+    stopped = ReleaseSide(releases["tiny"], infos, True)
+    stopped.stop()
+    with pytest.raises(IntegrityError, match="stopped"):
+        stopped.result()
+    broken = tmp_path / "rel"
+    shutil.copytree(releases["tiny"], broken)
+    shard = broken / side.big[-1].file
+    shard.write_bytes(shard.read_bytes()[: side.big[-1].offset + 10])
+    with pytest.raises(IntegrityError, match="ends inside"):
+        ReleaseSide(broken, infos, True).start(background=True).result()
+
+
+def test_one_read_gives_the_files_and_every_blobs_sha256(built, tmp_path, monkeypatch):
+    """``mlirb.digests`` (the gate's one sequential read) against hashlib on the whole file and on each
+    blob read where it lies, with reads small enough that blobs span several of them; a truncated
+    file is refused naming the blob."""
+    import hashlib
+
+    from clef_flash.formats import mlirb as fmt
+
+    path = next(built["tiny32"].glob("*.aimodel")) / "main.mlirb"
+    found = fmt.blobs(path)
+    with open(path, "rb") as fh:
+        want = [(b, fmt.blob_sha256(fh, b)) for b in found]
+    for chunk in (1 << 20, 1000, 7):  # reads of 8x this: whole blobs, and blobs across reads
+        monkeypatch.setattr(fmt, "_CHUNK", chunk)
+        whole, got = fmt.digests(path)
+        assert whole == hashlib.sha256(path.read_bytes()).hexdigest() and got == want
+    assert max(b.size for b in found) > 8 * 1000 > min(b.size for b in found)
+    cut = tmp_path / "main.mlirb"
+    big = max(found, key=lambda b: b.size)
+    cut.write_bytes(path.read_bytes()[: big.start + big.size - 1])
+    with pytest.raises(fmt.BytecodeError):
+        fmt.digests(cut)
+
+
 def test_verify_without_the_numeric_check_still_gates_the_weights(built, releases, tmp_path, monkeypatch):
     """What runs at 9B size (no numeric check): the bytecode's descriptor and the streamed weights.
     A bundle whose files agree with its manifest but whose weights are not the release's fails (exit 4)."""
@@ -406,6 +461,8 @@ def test_verify_without_the_numeric_check_still_gates_the_weights(built, release
     checks = {c["check"]: c for c in t["checks"]}
     assert checks["functions = [main] (bytecode)"]["ok"] and checks["every weight = the release's tensor in fp16 (streamed)"]["ok"]
     assert not t["records"] and "numeric check not run" in t["notes"][0]
+    # main.mlirb's sha256 taken in the weights' one read: still checked, first in the checklist
+    assert t["checks"][0]["check"] == "main.mlirb sha256 = manifest" and t["checks"][0]["ok"]
 
     copy = tmp_path / built["tiny32"].name
     shutil.copytree(built["tiny32"], copy)
@@ -413,6 +470,14 @@ def test_verify_without_the_numeric_check_still_gates_the_weights(built, release
     mlirb = asset / "main.mlirb"
     data = bytearray(mlirb.read_bytes())
     big = max(blobs(mlirb), key=lambda b: b.size)
+    # a main.mlirb that is not its manifest's is named as such (exit 3, integrity), whether the change is in a
+    # blob (seen after the one read) or breaks the bytecode itself (seen before, and named the same)
+    for at in (big.start + 5, 4):
+        changed = bytearray(data)
+        changed[at] ^= 0xFF
+        mlirb.write_bytes(bytes(changed))
+        res = runner.invoke(app, ["verify", str(copy), "--source", str(releases["tiny"])])
+        assert res.exit_code == 3 and "main.mlirb: sha256" in res.output and "differs from the manifest" in res.output, res.output
     data[big.start + 5] ^= 0x40
     mlirb.write_bytes(bytes(data))
     digest = hashlib.sha256(bytes(data)).hexdigest()
@@ -634,6 +699,7 @@ def test_too_little_disk_is_refused_before_any_work(releases, tmp_path, monkeypa
     rel = releases["tiny"]
     fp16 = scratch_bytes(locate(rel, weight_names(release_config(rel))))
     assert disk_need(fp16, True) == 3 * fp16 + MARGIN and disk_need(fp16, False) == fp16 + MARGIN
+    assert disk_need(fp16 // 2, False, fp16, fp16 // 2) == fp16 + MARGIN  # compressed: the parts kept in the scratch file
     for extra, need in (([], disk_need(fp16, True)), (["--no-verify"], disk_need(fp16, False))):
         args = ["build", str(_recipe(tmp_path, "fp16")), "--source", str(rel), "--out", str(tmp_path / "out"),
                 "--dry-run", *extra]

@@ -66,7 +66,7 @@ def test_the_build_and_gate_quantizers_agree_and_keep_the_rule(bits):
     each dequantized value is within half a step of the weight."""
     import torch
 
-    from clef_flash.backbone.quantize import SCALE_FLOOR, Scheme, dequantize, quantize_np, quantize_torch
+    from clef_flash.backbone.quantize import SCALE_FLOOR, Buffers, Scheme, dequantize, quantize_np, quantize_torch
 
     sch = Scheme(bits, 32)
     rng = np.random.default_rng(0)
@@ -79,6 +79,15 @@ def test_the_build_and_gate_quantizers_agree_and_keep_the_rule(bits):
     codes_t, scales_t = quantize_torch(torch.from_numpy(w), sch)
     codes_n, scales_n = quantize_np(w, sch)
     assert np.array_equal(codes_t.numpy(), codes_n) and np.array_equal(scales_t.numpy().view(np.uint16), scales_n.view(np.uint16))
+    # the buffers the build and the gate reuse from block to block, dirty from an earlier call, change nothing
+    work, ring = torch.full((w.size + 64,), 7.0), torch.full((w.size + 64,), 5, dtype=torch.int8)
+    quantize_torch(torch.from_numpy(w[:8] * 3), sch, work, ring)
+    codes_r, scales_r = quantize_torch(torch.from_numpy(w), sch, work, ring)
+    assert np.array_equal(codes_r.numpy(), codes_n) and np.array_equal(scales_r.numpy().view(np.uint16), scales_n.view(np.uint16))
+    buffers = Buffers(w.size + 64, sch)
+    quantize_np(w[:8] * 3, sch, buffers)
+    codes_b, scales_b = quantize_np(w, sch, buffers)
+    assert codes_b.base is not None and np.array_equal(codes_b, codes_n) and np.array_equal(scales_b.view(np.uint16), scales_n.view(np.uint16))
     assert scales_n.dtype == np.float16 and float(scales_n.min()) >= SCALE_FLOOR
     assert not codes_n[0, :32].any() and np.abs(codes_n).max() <= sch.qmax
     deq = dequantize(codes_n, scales_n, sch).astype(np.float32)

@@ -7,8 +7,10 @@ with ``k`` by the build's rule ``weights.scale_exponent``, rounded to fp16; nump
 torch path), and hashed as fp16 bytes; a small tensor also as those fp16 values widened to fp32 (the Core AI compiler folds the
 fp32 cast of a small fp16 constant into an fp32 blob). The asset side: every blob of
 ``main.mlirb`` located from the bytecode's resource section and hashed where it lies. A tensor
-whose bytes are in no blob is a failure naming it. The two sides run in two threads (hashlib and
-numpy release the GIL on large buffers): the two cores read the release and the asset at once.
+whose bytes are in no blob is a failure naming it. The asset side (one sequential read of
+``main.mlirb``, ``mlirb.digests``) runs in a thread, the release side (``ReleaseSide``) in two
+more, a tensor each (hashlib and numpy release the GIL on large buffers): both cores work, and
+the release and the asset are read at once. A build starts the release side beside its export.
 
 A compressed tensor (int8 / int4 recipes) is quantized here again by the gate's own numpy rule
 (``quantize.quantize_np``, not the build's torch path) and its codes (packed for int4) and its
@@ -30,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IntegrityError
-from ..formats.mlirb import Blob, BytecodeError, blob_sha256, blobs
-from .weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
+from ..formats.mlirb import Blob, BytecodeError, digests
+from .weights import FOLD_MAX_VALUES, TensorInfo, raw_blocks, scale_exponent
 from ..progress import plural
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side
@@ -74,6 +76,7 @@ class WeightsReport:
     seconds: float = 0.0
     found: dict[str, Found] | None = None  # compressed tensors: their two blobs
     scheme: object = None
+    file_sha256: str = ""  # of main.mlirb, from the same read (the gate checks it against the manifest)
 
     @property
     def ok(self) -> bool:
@@ -93,62 +96,188 @@ class WeightsReport:
         return [(what, self.ok, detail)]
 
 
-def _rows(folder: Path, t: TensorInfo):
-    """The tensor's values as fp32 row blocks."""
-    for _, _, raw in raw_blocks(folder, t, _BLOCK):
-        yield as_f32(raw, t.dtype)
+_TILE = 1 << 18  # values converted at a time (1 MB in fp32): tiles stay in the CPU's cache
 
 
-def expected(folder: Path, t: TensorInfo, scaled: bool, scheme=None) -> Expected:
-    k = 0
-    if scaled:
+class _Tiles:
+    """A tensor's values as fp32 row tiles of about ``_TILE`` values, converted by numpy into
+    buffers reused from tile to tile (bf16 -> fp32 by a shift, as ``weights.as_f32``): fresh 64 MB
+    arrays per block cost the gate more in page faults than its arithmetic."""
+
+    def __init__(self, folder: Path, t: TensorInfo, stop=None) -> None:
+        self.folder, self.t, self.stop = folder, t, stop
+        self.cols = int(np.prod(t.shape[1:]))
+        self.rows = max(1, _TILE // self.cols)
+        self.wide = np.empty(self.rows * self.cols, np.uint32)
+        self.tmp = np.empty(self.rows * self.cols, np.float32)
+
+    def __call__(self, scale: np.float32 | None = None):
+        t, f32 = self.t, self.wide.view(np.float32)
+        src = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}[t.dtype]
+        for _, _, raw in raw_blocks(self.folder, t, _BLOCK):
+            if self.stop is not None and self.stop.is_set():
+                raise _Stopped
+            values = raw.view(src)
+            for i in range(0, values.size, self.rows * self.cols):
+                part = values[i:i + self.rows * self.cols]
+                n = part.size
+                if t.dtype == "BF16":
+                    np.copyto(self.wide[:n], part)
+                    np.left_shift(self.wide[:n], 16, out=self.wide[:n])
+                else:
+                    np.copyto(f32[:n], part)
+                if scale is not None:
+                    np.multiply(f32[:n], scale, out=f32[:n])  # exact: a power of two
+                yield f32[:n].reshape(-1, self.cols)
+
+    def top(self) -> float:
+        """The largest magnitude of the tensor."""
         top = 0.0
-        for block in _rows(folder, t):
-            if block.size:
-                top = max(top, float(np.max(np.abs(block))))
-        k = scale_exponent(top)
+        for w in self():
+            if w.size:
+                top = max(top, float(np.max(np.abs(w, out=self.tmp[:w.size].reshape(w.shape)))))
+        return top
+
+
+class _Stopped(Exception):
+    """A release side stopped before its end (``ReleaseSide.stop``)."""
+
+
+def expected(folder: Path, t: TensorInfo, scaled: bool, scheme=None, stop=None) -> Expected:
+    tiles = _Tiles(Path(folder), t, stop)
+    k = scale_exponent(tiles.top()) if scaled else 0
+    scale = np.float32(2.0 ** k) if k else None
     if scheme is not None:  # compressed: the codes and scales by the gate's own (numpy) rule
-        from .quantize import code_bytes_of, quantize_np
+        from .quantize import Buffers, code_bytes_of, quantize_np
 
         hc, hs = hashlib.sha256(), hashlib.sha256()
-        scale = np.float32(2.0 ** k)
-        for block in _rows(folder, t):
-            w = block.reshape(-1, t.shape[1])
-            codes, scales = quantize_np(w * scale if k else w, scheme)
+        work = Buffers(tiles.rows * tiles.cols, scheme)
+        for w in tiles(scale):
+            codes, scales = quantize_np(w, scheme, work)
             hc.update(code_bytes_of(codes, scheme))
             hs.update(scales)
         return Expected(t.name, t.shape, k, None, None, hc.hexdigest(), hs.hexdigest())
     h16 = hashlib.sha256()
     h32 = hashlib.sha256() if int(np.prod(t.shape)) <= FOLD_MAX_VALUES else None
-    scale = np.float32(2.0 ** k)
-    for block in _rows(folder, t):
-        half = (block * scale).astype(np.float16) if k else block.astype(np.float16)
-        h16.update(half)
+    half = np.empty(tiles.rows * tiles.cols, np.float16)
+    for w in tiles(scale):
+        part = half[: w.size]
+        np.copyto(part, w.reshape(-1), casting="unsafe")  # rounds to nearest even, as astype
+        h16.update(part)
         if h32 is not None:
-            h32.update(half.astype(np.float32))
+            h32.update(part.astype(np.float32))
     return Expected(t.name, t.shape, k, h16.hexdigest(), h32.hexdigest() if h32 else None)
 
 
-def blob_digests(mlirb: Path) -> list[tuple[Blob, str]]:
+class ReleaseSide:
+    """The release's side of ``compare``: every 2-D+ tensor's expected digests, by threads that take
+    the tensors in turn. The build starts one beside the export (``start(background=True)``: a
+    thread at a lower priority, on the core the trace leaves idle, yielding to the export's save),
+    and the gate joins it with more threads (``result``); it reads only the release, so it needs
+    nothing of the asset. ``stop()`` ends it early (a failed or interrupted build)."""
+
+    def __init__(self, folder: Path, infos: dict[str, TensorInfo], scaled: bool, scheme=None, compressed=()) -> None:
+        import threading
+
+        self.folder, self.scaled, self.scheme = Path(folder), scaled, scheme
+        self.compressed = set(compressed)
+        self.big = sorted((t for t in infos.values() if len(t.shape) >= 2), key=lambda t: (t.file, t.offset))
+        self._results: list[Expected | None] = [None] * len(self.big)
+        self._next = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._threads: list = []
+
+    def start(self, threads: int = 1, background: bool = False) -> "ReleaseSide":
+        import threading
+
+        for _ in range(threads):
+            th = threading.Thread(target=self._work, args=(background,), name="clef-release-side", daemon=True)
+            th.start()
+            self._threads.append(th)
+        return self
+
+    def _work(self, background: bool) -> None:
+        if background:
+            _lower_priority()
+        while not self._stop.is_set():
+            with self._lock:
+                i, self._next = self._next, self._next + 1
+            if i >= len(self.big):
+                return
+            t = self.big[i]
+            try:
+                self._results[i] = expected(self.folder, t, self.scaled,
+                                            self.scheme if t.name in self.compressed else None, self._stop)
+            except _Stopped:
+                return
+            except BaseException as exc:  # noqa: BLE001 (re-raised by result())
+                self._error = self._error or exc
+                self._stop.set()
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        for th in self._threads:
+            th.join()
+
+    def result(self, threads: int = 2) -> list[Expected]:
+        """Every tensor's digests, with threads added up to ``threads`` working (the ones started
+        beside the export count, and keep their lower priority)."""
+        live = sum(1 for th in self._threads if th.is_alive())
+        self.start(max(0, threads - live))
+        for th in self._threads:
+            th.join()
+        if self._error is not None:
+            raise self._error
+        if self._stop.is_set() or any(r is None for r in self._results):
+            raise IntegrityError(f"{self.folder}: the release's side of the weight comparison was stopped")
+        return list(self._results)  # type: ignore[arg-type]
+
+
+def _lower_priority() -> None:
+    """This thread at nice 10 (Linux: a thread's own priority), so the export's save, beside it, keeps
+    the cores it needs; a no-op where that is not so."""
+    import os
+    import sys
+    import threading
+
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (OSError, AttributeError):
+            pass
+
+
+def blob_digests(mlirb: Path) -> tuple[str, list[tuple[Blob, str]]]:
+    """The sha256 of ``mlirb`` and of every blob in it, in one read (``mlirb.digests``)."""
     try:
-        found = blobs(mlirb)
-        with open(mlirb, "rb", buffering=0) as fh:
-            return [(b, blob_sha256(fh, b)) for b in found]
+        return digests(mlirb)
     except BytecodeError as exc:
         raise IntegrityError(f"{mlirb}: not readable MLIR bytecode ({exc})") from None
 
 
 def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: bool,
-            log=lambda msg: None, scheme=None, compressed=()) -> WeightsReport:
-    """The release's 2-D+ tensors against the blobs of ``mlirb`` (both hashed, in two threads); the
-    ``compressed`` ones as ``scheme``'s codes and scales."""
+            log=lambda msg: None, scheme=None, compressed=(), release: ReleaseSide | None = None) -> WeightsReport:
+    """The release's 2-D+ tensors against the blobs of ``mlirb`` (both hashed at once); the
+    ``compressed`` ones as ``scheme``'s codes and scales. ``release``: its side already started
+    (the build's, beside the export), for this release, recipe and scheme."""
     t0 = time.perf_counter()
-    compressed = set(compressed)
-    big = sorted((t for t in infos.values() if len(t.shape) >= 2), key=lambda t: (t.file, t.offset))
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    if release is not None and (release.folder, release.scaled, release.scheme, release.compressed) != (
+            Path(folder), scaled, scheme, set(compressed)):  # started for another release or recipe: not used
+        release.stop()
+        release = None
+    release = release or ReleaseSide(folder, infos, scaled, scheme, compressed)
+    big = release.big
+    with ThreadPoolExecutor(max_workers=1) as pool:
         asset_side = pool.submit(blob_digests, Path(mlirb))
-        wants = [expected(Path(folder), t, scaled, scheme if t.name in compressed else None) for t in big]
-        have = asset_side.result()
+        try:
+            wants = release.result(threads=2)  # numpy and hashlib release the GIL: both cores
+        except BaseException:
+            release.stop()
+            raise
+        file_sha256, have = asset_side.result()
     by_digest: dict[str, Blob] = {}
     for b, d in have:
         by_digest.setdefault(d, b)
@@ -174,7 +303,7 @@ def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: boo
                            one_d=sum(1 for t in infos.values() if len(t.shape) < 2), blobs=len(have),
                            other_blobs=len(other), other_bytes=sum(b.size for b in other),
                            fp16_bytes=sum(int(np.prod(t.shape)) * 2 for t in big), seconds=time.perf_counter() - t0,
-                           found=found, scheme=scheme)
+                           found=found, scheme=scheme, file_sha256=file_sha256)
     log(f"weights: {len(matched)}/{plural(len(big), 'tensor')} found in main.mlirb in {report.seconds:.1f} s")
     return report
 

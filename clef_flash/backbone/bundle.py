@@ -15,9 +15,10 @@ from .files import TOKENIZER_DIR
 from ..progress import plural
 
 
-def read_asset_bundle(bundle: Path, model, what: str):
+def read_asset_bundle(bundle: Path, model, what: str, hashed: bool = True):
     """A Core AI bundle's manifest (as ``model``), its asset folder, and ``main.mlirb`` / ``main.hash``
-    against it (``aimodel.check_files``); ``IntegrityError`` naming the first broken file."""
+    against it (``aimodel.check_files``; ``hashed=False``: main.mlirb's sha256 left to the caller);
+    ``IntegrityError`` naming the first broken file."""
     from ..formats.aimodel import check_files as check_asset
     from ..layout import MANIFEST_FILE
 
@@ -29,14 +30,15 @@ def read_asset_bundle(bundle: Path, model, what: str):
     except ValueError as exc:
         raise IntegrityError(f"{path}: not a {what} manifest ({str(exc).splitlines()[0]})") from None
     asset = Path(bundle) / m.assets["main"]
-    return m, asset, check_asset(m, asset)
+    return m, asset, check_asset(m, asset, hashed=hashed)
 
 
-def check_files(bundle: Path):
-    """The manifest, its asset and tokenizer files; ``IntegrityError`` naming the first broken file."""
+def check_files(bundle: Path, hashed: bool = True):
+    """The manifest, its asset and tokenizer files; ``IntegrityError`` naming the first broken file.
+    ``hashed=False``: main.mlirb's sha256 is left to the caller (``aimodel.check_files`` with a digest)."""
     from ..backbone.manifest import BackboneManifest
 
-    m, asset, checks = read_asset_bundle(bundle, BackboneManifest, "backbone")
+    m, asset, checks = read_asset_bundle(bundle, BackboneManifest, "backbone", hashed)
     for name, want in m.tokenizer.items():
         f = Path(bundle) / TOKENIZER_DIR / name
         if not f.is_file() or sha256_file(f) != want:

@@ -3,7 +3,7 @@ axis, one fp16 scale a block, as coreai-torch's ``constexpr_blockwise_shift_scal
 (``output = scale * code``, blocks ``[1, block]`` of an ``[out, in]`` matrix; int4 packed two a byte,
 the even element in the low nibble).
 
-The rule, the same in the build (torch, ``Quantizer``) and in the gate (numpy, ``quantize_np``: a
+The rule, the same in the build (torch, ``quantize_torch``) and in the gate (numpy, ``quantize_np``: a
 second implementation, so a wrong rule in one is seen by the other):
 
 - ``w`` the release's values in fp32 (bf16 widened exactly; times ``2**k`` for the fp32-compute
@@ -74,16 +74,26 @@ def compressed_names(wanted: dict[str, tuple[int, ...]], scheme: Scheme, fp16_la
 
 # ------------------------------------------------------------------ the build's quantizer (torch)
 
-def quantize_torch(w, scheme: Scheme):
-    """``w [r, in]`` fp32 (torch) -> codes int8 ``[r, in]`` (int4 values unpacked), scales fp16 ``[r, in/block]``."""
+def quantize_torch(w, scheme: Scheme, work=None, codes_out=None):
+    """``w [r, in]`` fp32 (torch) -> codes int8 ``[r, in]`` (int4 values unpacked), scales fp16 ``[r, in/block]``.
+
+    ``work`` (fp32, at least ``w``'s values) and ``codes_out`` (int8, as many): buffers reused from
+    block to block. A fresh 64 MB temporary per step cost more in page faults than its arithmetic
+    (measured: 140 ms against 56 ms for 16 M values); the values are the same, a test holds it."""
     import torch
 
     r, cols = w.shape
-    blocks = w.reshape(r, cols // scheme.block, scheme.block)
-    amax = blocks.abs().amax(-1)
+    shape = (r, cols // scheme.block, scheme.block)
+    blocks = w.reshape(shape)
+    tmp = (torch.empty(shape, dtype=torch.float32) if work is None else work[: w.numel()].view(shape))
+    torch.abs(blocks, out=tmp)
+    amax = tmp.amax(-1)
     scales = torch.clamp((amax / scheme.qmax).to(torch.float16), min=SCALE_FLOOR)
-    codes = torch.round(blocks / scales.float()[..., None]).clamp_(-scheme.qmax, scheme.qmax).to(torch.int8)
-    return codes.reshape(r, cols), scales
+    torch.div(blocks, scales.float()[..., None], out=tmp)
+    tmp.round_().clamp_(-scheme.qmax, scheme.qmax)
+    codes = torch.empty((r, cols), dtype=torch.int8) if codes_out is None else codes_out[: w.numel()].view(r, cols)
+    codes.copy_(tmp.view(r, cols))
+    return codes, scales
 
 
 def pack_int4_torch(codes):
@@ -98,14 +108,42 @@ def pack_int4_torch(codes):
 
 # ------------------------------------------------------------------ the gate's quantizer (numpy)
 
-def quantize_np(w: np.ndarray, scheme: Scheme) -> tuple[np.ndarray, np.ndarray]:
-    """The same rule in numpy (the gate's independent implementation)."""
+class Buffers:
+    """The numpy rule's temporaries for matrices of up to ``values`` values, reused from call to
+    call (the gate runs the rule over cache-sized tiles: a fresh array per step cost it more in
+    page faults than the arithmetic, measured 2.5x)."""
+
+    def __init__(self, values: int, scheme: Scheme) -> None:
+        self.values = values
+        self.f32 = np.empty(values, np.float32)
+        self.codes = np.empty(values, np.int8)
+        n = -(-values // scheme.block)
+        self.amax = np.empty(n, np.float32)
+        self.scales = np.empty(n, np.float16)
+        self.scales32 = np.empty(n, np.float32)
+
+
+def quantize_np(w: np.ndarray, scheme: Scheme, work: Buffers | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The same rule in numpy (the gate's independent implementation). With ``work`` the codes and
+    scales returned are views of its buffers, good until the next call."""
     r, cols = w.shape
-    blocks = w.reshape(r, cols // scheme.block, scheme.block)
-    amax = np.max(np.abs(blocks), axis=-1)
-    scales = np.maximum((amax / np.float32(scheme.qmax)).astype(np.float16), np.float16(SCALE_FLOOR))
-    codes = np.clip(np.rint(blocks / scales.astype(np.float32)[..., None]), -scheme.qmax, scheme.qmax).astype(np.int8)
-    return codes.reshape(r, cols), scales
+    nb, q = cols // scheme.block, np.float32(scheme.qmax)
+    work = work if work is not None and work.values >= w.size else Buffers(w.size, scheme)
+    blocks = w.reshape(r, nb, scheme.block)
+    tmp = work.f32[: w.size].reshape(r, nb, scheme.block)
+    amax = work.amax[: r * nb].reshape(r, nb)
+    np.max(np.abs(blocks, out=tmp), axis=-1, out=amax)
+    np.divide(amax, q, out=amax)
+    scales = work.scales[: r * nb].reshape(r, nb)
+    np.copyto(scales, amax, casting="unsafe")  # rounds to nearest even, as astype
+    np.maximum(scales, np.float16(SCALE_FLOOR), out=scales)
+    wide = work.scales32[: r * nb].reshape(r, nb)
+    np.copyto(wide, scales)
+    np.divide(blocks, wide[..., None], out=tmp)
+    np.clip(np.rint(tmp, out=tmp), -q, q, out=tmp)
+    codes = work.codes[: w.size].reshape(r, cols)
+    np.copyto(codes, tmp.reshape(r, cols), casting="unsafe")
+    return codes, scales
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:

@@ -39,6 +39,9 @@ _BLOCK_BYTES = 32 << 20  # rows converted at a time: the anonymous memory this s
 # constant, stored as fp32: measured up to about 131,072 values, in_proj_a / in_proj_b / conv1d at
 # the 9B); larger ones stay the fp16 blob they came in, so only those are streamed into the asset
 FOLD_MAX_VALUES = 1 << 20
+# buffers a streamed tensor's blocks take in turn: a block is left intact until the one after the
+# next is asked for (``mlirb.inflate`` makes the next one while the current one is hashed and written)
+_RING = 2
 _ALIGN = 64  # each tensor starts at a 64-byte offset in the scratch file
 _FP16_OVERFLOW = 65520.0  # the smallest magnitude that rounds to inf in fp16 (65504 + half a step)
 SCALE_BOUND = 64  # |k| at most: 2**-64 and 2**64 are normal fp32 numbers
@@ -173,6 +176,18 @@ def raw_blocks(folder: Path, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
             yield r0, r1, buf[:n]
 
 
+def read_f32(folder: Path, t: TensorInfo) -> np.ndarray:
+    """The whole tensor in fp32 (exact from bf16 / fp16), read in row blocks: for a reference that
+    holds one block of layers at a time (the vision gate's tower)."""
+    out = np.empty(int(np.prod(t.shape)), np.float32)
+    at = 0
+    for _, _, raw in raw_blocks(folder, t):
+        part = as_f32(raw, t.dtype)
+        out[at:at + part.size] = part
+        at += part.size
+    return out.reshape(t.shape)
+
+
 class Fp16Weights:
     """The release's tensors as the graph reads them: 2-D+ as fp16 views of the mapped scratch file,
     1-D as fp32 arrays. ``tensors()`` gives torch tensors sharing that memory."""
@@ -272,10 +287,15 @@ class Fp16Weights:
         from .quantize import pack_int4_torch, quantize_torch
 
         cols = t.shape[1]
-        for r0, r1, block in self._blocks(t, block_bytes):
+        work, ring = None, []  # reused buffers: the arithmetic's temporary, and the codes in turn
+        for i, (r0, r1, block) in enumerate(self._blocks(t, block_bytes)):
             if k:
                 block.mul_(2.0 ** k)
-            codes, scales = quantize_torch(block.view(r1 - r0, cols), self.scheme)
+            if work is None:
+                work = torch.empty(block.numel(), dtype=torch.float32)
+            if len(ring) < _RING:
+                ring.append(torch.empty(block.numel(), dtype=torch.int8))
+            codes, scales = quantize_torch(block.view(r1 - r0, cols), self.scheme, work, ring[i % _RING])
             if not bool(torch.isfinite(scales).all()):
                 raise IntegrityError(f"{self.folder / t.file}: {t.name} has values a {self.scheme.weights} scale cannot "
                                      f"hold in fp16 (|x| > {65504 * self.scheme.qmax:g}, or not finite)")
@@ -288,7 +308,7 @@ class Fp16Weights:
         bytes, in row blocks: each block stays intact while the next one is made (``mlirb.inflate``
         hashes it meanwhile)."""
         if part == "fp16":
-            for _r0, data in self._fp16_blocks(self.streamed[name], self.exponents[name], block_bytes, ring=2):
+            for _r0, data in self._fp16_blocks(self.streamed[name], self.exponents[name], block_bytes, ring=_RING):
                 yield data
             return
         if name in self._quantized:  # made with the other part: from its scratch slot (page cache)

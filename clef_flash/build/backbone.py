@@ -44,13 +44,14 @@ def compiles(recipe) -> bool:
 MARGIN = 64 << 20
 
 
-def disk_need(asset_bytes: int, numeric: bool, fp16_bytes: int | None = None) -> int:
+def disk_need(asset_bytes: int, numeric: bool, fp16_bytes: int | None = None, held_bytes: int = 0) -> int:
     """Bytes the build puts on the output's disk at its peak: ``main.mlirb`` (the weights once, as the
-    scheme stores them: the large tensors are converted straight into it, ``mlirb.inflate``; the
-    scratch file holds only small ones, and a compressed tensor's second part while the first is
-    written), and where the numeric gate runs, the runtime's compiled copy with fp32 weights."""
+    scheme stores them: the large fp16 tensors are converted straight into it, ``mlirb.inflate``),
+    the scratch file's compressed tensors (``held_bytes``: the part of each that main.mlirb asks for
+    second is made with the first and kept in its slot until the file is written), and where the numeric gate runs,
+    the runtime's compiled copy with fp32 weights."""
     fp16_bytes = asset_bytes if fp16_bytes is None else fp16_bytes
-    return asset_bytes + (2 * fp16_bytes if numeric else 0) + MARGIN
+    return asset_bytes + held_bytes + (2 * fp16_bytes if numeric else 0) + MARGIN
 
 
 def refuse(cfg: BuildConfig) -> None:
@@ -97,7 +98,8 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     numeric = bool(cfg.verify and recipe.verify.enabled and parameters <= recipe.verify.numeric_max_parameters)
     what = "the backbone build (main.mlirb and the numeric gate's compiled fp32 copy)" if numeric else \
         "the backbone build (main.mlirb)"
-    check_free_space(final.parent, disk_need(implied, numeric, fp16), what)
+    held = scratch_bytes({n: infos[n] for n in compressed}, scheme, compressed) if scheme else 0
+    check_free_space(final.parent, disk_need(implied, numeric, fp16, held), what)
     info = {"recipe": str(cfg.recipe_path), "name": final.name, "model": MODEL, "bundle": str(final),
             "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
             "files": digests, "deferred": later, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,
@@ -108,6 +110,7 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
                      "plan": plan_ref.model_dump() if plan_ref else None})
     return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
                 extra={"text": text, "chunking": chunking, "infos": infos, "scheme": scheme, "compressed": compressed,
+                       "gated": bool(cfg.verify and recipe.verify.enabled),
                        "fp16_layers": fp16_layers, "plan_ref": plan_ref, "implied": implied})
 
 
@@ -203,7 +206,26 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
            "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": p.extra["compressed"]} if scheme else None,
            "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                            f"prefill chunk {recipe.chunk}, weights {recipe.weights}, compute {recipe.compute}"}}
-    timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
+    # the gate's release side (every tensor's expected digests) beside the export: the trace is one
+    # core of Python, and this reads only the release; the gate joins it (asset_weights.ReleaseSide)
+    side = None
+    if p.extra["gated"]:
+        from ..backbone.asset_weights import ReleaseSide
+
+        side = ReleaseSide(source, p.extra["infos"], recipe.compute == "fp32", scheme, p.extra["compressed"]).start(background=True)
+        p.extra["release_side"] = side
+    try:
+        timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
+        return _finish(p, tmp, asset_dir, timings)
+    except BaseException:
+        if side is not None:
+            side.stop()
+        raise
+
+
+def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
+    recipe, pins, source = p.cfg.recipe, p.pins, p.source
+    text, chunking = p.extra["text"], p.extra["chunking"]
     tok_dir = tmp / TOKENIZER_DIR
     tok_dir.mkdir()
     tokenizer = {}
@@ -253,12 +275,17 @@ def gate(p: Plan, tmp: Path, log=lambda m: None):
     the plan found: the digests it and the export checked, the configuration, the located tensors
     (nothing read or hashed again)."""
     recipe = p.cfg.recipe
+    side = p.extra.get("release_side")
     log("verifying the saved backbone against transformers' text model")
-    return verify_backbone(BackboneVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path,
-                                                seed=recipe.verify.seed, long_record=recipe.long_record,
-                                                numeric_max_parameters=recipe.verify.numeric_max_parameters,
-                                                scratch=tmp, pins=p.pins, checked=p.files, text=p.extra["text"],
-                                                located=p.extra["infos"]), log=log)
+    try:
+        return verify_backbone(BackboneVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path,
+                                                    seed=recipe.verify.seed, long_record=recipe.long_record,
+                                                    numeric_max_parameters=recipe.verify.numeric_max_parameters,
+                                                    scratch=tmp, pins=p.pins, checked=p.files, text=p.extra["text"],
+                                                    located=p.extra["infos"], release_side=side), log=log)
+    finally:
+        if side is not None:
+            side.stop()  # done already, or the gate failed before it compared the weights
 
 
 def summary(manifest) -> str:

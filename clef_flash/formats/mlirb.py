@@ -210,6 +210,59 @@ def blob_sha256(fh, blob: Blob) -> str:
     return h.hexdigest()
 
 
+def digests(path: Path) -> tuple[str, list[tuple[Blob, str]]]:
+    """The sha256 of the whole file and of each blob's data, in one sequential read: a 16 GB
+    backbone's gate read it twice before (the file's hash, then every blob where it lies). The file
+    is read into a ring of reused buffers; the file's hash and the blobs' run in two threads of
+    their own (hashlib releases the GIL), each in file order, beside the next read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = Path(path)
+    found = blobs(path)
+    size = path.stat().st_size
+    for b in found:
+        if b.start + b.size > size:
+            raise BytecodeError(f"blob {b.name} at byte {b.start} is truncated")
+    order = sorted(range(len(found)), key=lambda i: found[i].start)
+    hashes = [hashlib.sha256() for _ in found]
+    whole = hashlib.sha256()
+    ring = [bytearray(_CHUNK * 8) for _ in range(3)]
+    pending: list[tuple] = [(), (), ()]
+
+    def parts(view: memoryview, pieces: list[tuple[int, int, int]]) -> None:
+        for i, lo, hi in pieces:
+            hashes[i].update(view[lo:hi])
+
+    live: list[int] = []  # blobs begun and not yet ended, at the current read
+    j, at, n = 0, 0, 0
+    with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(1) as file_side, ThreadPoolExecutor(1) as blob_side:
+        while at < size:
+            k = n % len(ring)
+            for f in pending[k]:  # the buffer is reused once both hashes of its last read are done
+                f.result()
+            got = fh.readinto(ring[k])
+            if not got:
+                raise BytecodeError(f"{path} ended at byte {at} of {size}")
+            view = memoryview(ring[k])[:got]
+            end = at + got
+            while j < len(order) and found[order[j]].start < end:
+                live.append(order[j])
+                j += 1
+            pieces = []
+            for i in live:
+                b = found[i]
+                lo, hi = max(b.start, at), min(b.start + b.size, end)
+                if hi > lo:
+                    pieces.append((i, lo - at, hi - at))
+            live = [i for i in live if found[i].start + found[i].size > end]
+            pending[k] = (file_side.submit(whole.update, view), blob_side.submit(parts, view, pieces))
+            at, n = end, n + 1
+        for fs in pending:
+            for f in fs:
+                f.result()
+    return whole.hexdigest(), [(b, h.hexdigest()) for b, h in zip(found, hashes)]
+
+
 def resource_names(path: Path) -> list[str]:
     """The resource keys of a bytecode file, in the order of its resource section."""
     path = Path(path)
@@ -495,7 +548,8 @@ class MissingPlaceholders(BytecodeError):
 def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_") -> tuple[int, str]:
     """Write ``out``: the bytecode ``path`` (small) with each blob whose data is a key of ``sizes`` (a
     placeholder) given its ``sizes[key]`` bytes from ``supply(key)`` (an iterable of bytes-like
-    chunks, each left intact until the one after the next is asked for), and every resource
+    chunks, each left intact until the one after the next is asked for; it is advanced in a thread
+    of its own, one chunk ahead), and every resource
     renamed after its sha256 as ``stable_resource_names`` does. Returns how many were renamed and the sha256 of
     ``out``. The resource offsets come before the resources, and the names after them: the file is
     written in one pass, each supplied byte hashed twice (its blob, the file) and written once.
@@ -549,7 +603,7 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
     written = 0
     fh = _DirectWriter(out)
     try:
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        with ThreadPoolExecutor(max_workers=2) as pool, ThreadPoolExecutor(max_workers=1) as maker:
             def put(chunk) -> None:
                 nonlocal written
                 whole.update(chunk)
@@ -571,10 +625,15 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
                         blob = hashlib.sha256()
                         if isinstance(body, tuple):
                             got, hashing = 0, ()
-                            # the two hashes of a chunk run beside its write and the next chunk's conversion
-                            for chunk in supply(body[0]):
+                            # the next chunk is made in a thread of its own while this one is hashed
+                            # twice (two more threads) and written: conversion, hashing and the disk
+                            # overlap, and a chunk is reused only once its hashes and write are done
+                            chunks = iter(supply(body[0]))
+                            ahead = maker.submit(next, chunks, None)
+                            while (chunk := ahead.result()) is not None:
                                 for f in hashing:
                                     f.result()
+                                ahead = maker.submit(next, chunks, None)
                                 hashing = (pool.submit(whole.update, chunk), pool.submit(blob.update, chunk))
                                 fh.write(chunk)
                                 got += len(chunk)

@@ -31,6 +31,8 @@ import numpy as np
 from ..errors import IntegrityError, UsageError
 from ..report import Report
 from ..backbone.bundle import check_files, descriptor_checks
+from ..formats.aimodel import check_files as check_asset
+from ..formats.mlirb import BytecodeError
 from ..interrupts import run_async
 from ..progress import plural
 
@@ -95,6 +97,7 @@ class BackboneVerifyConfig:
     checked: dict[str, str] | None = None  # the build's plan: file -> sha256 already checked in this process
     text: Any = None  # the build's plan: the release's text configuration
     located: dict[str, Any] | None = None  # the build's plan: every weight located in the shards
+    release_side: Any = None  # the build's: asset_weights.ReleaseSide started beside the export
 
 
 @dataclass
@@ -323,7 +326,9 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     from ..backbone.weights import locate
 
     t_start = time.perf_counter()
-    m, asset, checks = check_files(cfg.bundle)
+    # main.mlirb's sha256 is taken below: by the weight comparison's read where that runs on a model
+    # too large for the numeric check (one read of 16 GB, not two), else by a read of its own first
+    m, asset, checks = check_files(cfg.bundle, hashed=False)
     pins, source = release_of(cfg, m, checks)
     text = cfg.text or release_config(source)
     compute = m.export.compute
@@ -332,14 +337,26 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     params = sum(int(np.prod(t.shape)) for t in infos.values())
     limit = cfg.numeric_max_parameters if cfg.numeric_max_parameters is not None else NUMERIC_MAX_PARAMETERS[compute]
     numeric = params <= limit
-    # the runtime's own descriptor where it loads the asset anyway; else the bytecode's (no compiled copy)
-    checks.extend(descriptor_checks(asset, m, compiled=numeric))
-    notes: list[str] = []
     scheme, compressed = compression_of(m, text)
+    comparing = bool(cfg.weights or scheme is not None)  # compressed: the numeric gate reads the blobs this finds
+    one_read = comparing and not numeric
+    if not one_read:
+        checks[:0] = check_asset(m, asset)
+    try:
+        # the runtime's own descriptor where it loads the asset anyway; else the bytecode's (no compiled copy)
+        checks.extend(descriptor_checks(asset, m, compiled=numeric))
+        if comparing:
+            weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log, scheme=scheme,
+                              compressed=compressed, release=cfg.release_side)
+    except (IntegrityError, BytecodeError):
+        if one_read:  # a main.mlirb that is not the manifest's is named as that, before what it broke
+            check_asset(m, asset)
+        raise
+    if one_read:
+        checks[:0] = check_asset(m, asset, digest=weights.file_sha256)
+    notes: list[str] = []
     found, unreadable = None, False
-    if cfg.weights or scheme is not None:  # compressed: the numeric gate reads the blobs this finds
-        weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log, scheme=scheme,
-                          compressed=compressed)
+    if comparing:
         checks.extend(weights.checks())
         found = weights.found
         unreadable = scheme is not None and not weights.ok

@@ -173,7 +173,7 @@ def reference_tower(source: Path, infos: dict[str, Any]):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
     from transformers.utils import logging as hf_logging
 
-    from ..backbone.asset_weights import _rows
+    from ..backbone.weights import read_f32
     from ..vision.contract import VISUAL
 
     hf_logging.set_verbosity_error()
@@ -185,7 +185,7 @@ def reference_tower(source: Path, infos: dict[str, Any]):
         for name, _ in list(module.named_parameters()):
             owner, _, attr = name.rpartition(".")
             t = infos[f"{VISUAL}{prefix}{name}"]
-            value = torch.from_numpy(np.concatenate(list(_rows(source, t))).reshape(t.shape))
+            value = torch.from_numpy(read_f32(source, t))
             (module.get_submodule(owner) if owner else module)._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
 
     def drop(module) -> None:
