@@ -33,7 +33,7 @@ import numpy as np
 
 from ..errors import IntegrityError
 from ..formats.mlirb import Blob, BytecodeError, digests
-from .weights import FOLD_MAX_VALUES, TensorInfo, raw_blocks, scale_exponent
+from .weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
 from ..progress import plural
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side
@@ -100,19 +100,19 @@ _TILE = 1 << 18  # values converted at a time (1 MB in fp32): tiles stay in the 
 
 
 class _Tiles:
-    """A tensor's values as fp32 row tiles of about ``_TILE`` values, converted by numpy into
-    buffers reused from tile to tile (bf16 -> fp32 by a shift, as ``weights.as_f32``): fresh 64 MB
-    arrays per block cost the gate more in page faults than its arithmetic."""
+    """A tensor's values as fp32 row tiles of about ``_TILE`` values, converted by numpy
+    (``weights.as_f32``) into a buffer reused from tile to tile: fresh 64 MB arrays per block cost
+    the gate more in page faults than its arithmetic."""
 
     def __init__(self, folder: Path, t: TensorInfo, stop=None) -> None:
         self.folder, self.t, self.stop = folder, t, stop
         self.cols = int(np.prod(t.shape[1:]))
         self.rows = max(1, _TILE // self.cols)
-        self.wide = np.empty(self.rows * self.cols, np.uint32)
+        self.f32 = np.empty(self.rows * self.cols, np.float32)
         self.tmp = np.empty(self.rows * self.cols, np.float32)
 
     def __call__(self, scale: np.float32 | None = None):
-        t, f32 = self.t, self.wide.view(np.float32)
+        t, f32 = self.t, self.f32
         src = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}[t.dtype]
         for _, _, raw in raw_blocks(self.folder, t, _BLOCK):
             if self.stop is not None and self.stop.is_set():
@@ -121,11 +121,7 @@ class _Tiles:
             for i in range(0, values.size, self.rows * self.cols):
                 part = values[i:i + self.rows * self.cols]
                 n = part.size
-                if t.dtype == "BF16":
-                    np.copyto(self.wide[:n], part)
-                    np.left_shift(self.wide[:n], 16, out=self.wide[:n])
-                else:
-                    np.copyto(f32[:n], part)
+                as_f32(part, t.dtype, f32[:n])
                 if scale is not None:
                     np.multiply(f32[:n], scale, out=f32[:n])  # exact: a power of two
                 yield f32[:n].reshape(-1, self.cols)

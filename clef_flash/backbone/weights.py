@@ -97,10 +97,21 @@ def locate(folder: Path, wanted: dict[str, tuple[int, ...]]) -> dict[str, Tensor
     return found
 
 
-def as_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+def as_f32(raw: np.ndarray, dtype: str, out: np.ndarray | None = None) -> np.ndarray:
+    """The release's values (``raw``: their bytes, or a view of them in their own dtype) in fp32,
+    exactly (bf16 by a shift). ``out``: an fp32 array of as many values, written in place (the
+    gate's tiles: no temporary per call)."""
+    if out is None:
+        if dtype == "BF16":
+            return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
+        return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32)
     if dtype == "BF16":
-        return (raw.view("<u2").astype(np.uint32) << 16).view(np.float32)
-    return raw.view("<f2" if dtype == "F16" else "<f4").astype(np.float32)
+        wide = out.view(np.uint32)
+        np.copyto(wide, raw.view("<u2"))
+        np.left_shift(wide, 16, out=wide)
+    else:
+        np.copyto(out, raw.view("<f2" if dtype == "F16" else "<f4"))
+    return out
 
 
 def _pwrite(fd: int, data, off: int) -> None:
@@ -182,9 +193,9 @@ def read_f32(folder: Path, t: TensorInfo) -> np.ndarray:
     out = np.empty(int(np.prod(t.shape)), np.float32)
     at = 0
     for _, _, raw in raw_blocks(folder, t):
-        part = as_f32(raw, t.dtype)
-        out[at:at + part.size] = part
-        at += part.size
+        n = raw.size // _ITEMSIZE[t.dtype]
+        as_f32(raw, t.dtype, out[at:at + n])
+        at += n
     return out.reshape(t.shape)
 
 

@@ -110,7 +110,6 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
                      "plan": plan_ref.model_dump() if plan_ref else None})
     return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
                 extra={"text": text, "chunking": chunking, "infos": infos, "scheme": scheme, "compressed": compressed,
-                       "gated": bool(cfg.verify and recipe.verify.enabled),
                        "fp16_layers": fp16_layers, "plan_ref": plan_ref, "implied": implied})
 
 
@@ -209,7 +208,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     # the gate's release side (every tensor's expected digests) beside the export: the trace is one
     # core of Python, and this reads only the release; the gate joins it (asset_weights.ReleaseSide)
     side = None
-    if p.extra["gated"]:
+    if p.cfg.verify and recipe.verify.enabled:  # the gate will run (build.build's test)
         from ..backbone.asset_weights import ReleaseSide
 
         side = ReleaseSide(source, p.extra["infos"], recipe.compute == "fp32", scheme, p.extra["compressed"]).start(background=True)
