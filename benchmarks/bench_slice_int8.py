@@ -10,7 +10,9 @@ slice of the 9B (its shapes and vocabulary, random bf16 weights).
 2. ``plan-weights`` of the slice with the int8 recipe on a few of the project's requests, watched
    the same way (it streams one layer at a time), with a projection to the 9B's 32 layers.
 
-Writes ``benchmarks/results/slice-int8-latest.json``.
+Writes ``benchmarks/results/slice-int8-latest.json``; exits 1 when either command failed, the gate
+failed, or the plan does not prove its choice (``backbone.plan.plan_problems``: met, the proof trial
+missed, minimal).
 """
 
 from __future__ import annotations
@@ -76,7 +78,12 @@ def main() -> None:
     prow = {"rc": w["rc"], "wall": round(w["wall"], 1), "peak_anon_shmem_mib": round(w["peak_anon_shmem_mib"], 1),
             "peak_rss_mib": round(w["peak_rss_mib"], 1), "stderr_tail": w["stderr_tail"]}
     if w["rc"] == 0:
+        from clef_flash.backbone.plan import load_plan, plan_problems
+
         plan = json.loads(w["stdout"])
+        # the plan's proof, checked: its chosen set's trial met the budget, the set less its most
+        # sensitive layer missed it (a plan that keeps nothing fp16 needs no proof)
+        prow["problems"] = plan_problems(load_plan(a.work / "plan.json"))
         prow.update({"chosen": plan["chosen"], "ranking": plan["ranking"], "trials": plan["trials"], "layers": plan["layers"],
                      "seconds": plan["seconds"], "calibration": plan["calibration"], "bytes": plan["bytes"],
                      "minimal": plan["minimal"]})
@@ -93,6 +100,14 @@ def main() -> None:
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("stderr_tail", "layers", "trials")} if isinstance(v, dict) else v
                       for k, v in result.items()}, indent=1))
     print(f"wrote {out.relative_to(ROOT)}")
+    failures = [f"{k}: exit {v['rc']}" for k, v in result.items() if isinstance(v, dict) and v.get("rc")]
+    if result["build_int8w32_gated"].get("ok") is False:
+        failures.append("build_int8w32_gated: the gate failed")
+    failures += [f"plan_weights_int8: {p}" for p in prow.get("problems", [])]
+    for f in failures:
+        print(f"FAIL {f}", file=sys.stderr)
+    if failures:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

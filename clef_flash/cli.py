@@ -388,7 +388,7 @@ def plan_weights_cmd(
     pins: PinsOpt = None,
     requests: Annotated[Optional[Path], typer.Option("--requests", help="JSONL of SystemOne request bodies: the calibration records (default: the project's set, conversion/requests.jsonl).")] = None,
     budget_dp: Annotated[Optional[float], typer.Option("--budget-dp", help="The end-to-end bar the chosen set meets: max |dp| over every option (default: the recipe's plan_budget_dp, 0.02).")] = None,
-    records: Annotated[Optional[int], typer.Option("--records", help="At most this many calibration records (default: every request).")] = None,
+    records: Annotated[Optional[int], typer.Option("--records", help="At most this many calibration records (default: the recipe's plan_records, else every request).")] = None,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:

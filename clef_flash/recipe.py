@@ -124,6 +124,8 @@ class BackboneRecipe(BaseModel):
     # a plan written by ``plan-weights`` (relative to the recipe's folder): its chosen layers stay fp16
     plan: str | None = None
     plan_budget_dp: float = Field(default=0.02, gt=0, le=1)  # "auto": the end-to-end bar the plan meets
+    # "auto": the calibration records the plan measures on (the first N requests; None: every one)
+    plan_records: int | None = Field(default=None, ge=1)
     # NMAX: the image rows the decoder takes (the published port's four image inputs; 1,024 at 9B);
     # 0: a text-only decoder (input_ids and position_ids only)
     image_rows: int = Field(default=0, ge=0, le=65536)
@@ -165,6 +167,8 @@ class BackboneRecipe(BaseModel):
             raise ValueError(f"fp16_layers must be layer indices (0 and up), got {list(self.fp16_layers)}")
         if self.plan and self.fp16_layers:
             raise ValueError("name either fp16_layers or a plan, not both")
+        if self.plan_records is not None and self.weights == "fp16":
+            raise ValueError("plan_records is for compressed weights (weights = \"int8\" or \"int4\")")
         return self
 
     @property

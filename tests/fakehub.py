@@ -48,8 +48,8 @@ class FakeHub:
                 f = hub.folder / name
                 if fault == "404-entry" or not f.is_file():
                     return self._error(404, "EntryNotFound", "Entry not found")
-                if fault == "500":
-                    return self._error(500, None, "Internal Error")
+                if fault == "500":  # Retry-After: 0, as a busy Hub may say: the client's retries take 1 s each, not 1 + 2 + 4 + 8 + 8
+                    return self._error(500, None, "Internal Error", retry_after=0)
                 data = f.read_bytes()
                 if fault == "tamper":
                     data = data + b"\n# appended by a man in the middle\n"
@@ -75,9 +75,11 @@ class FakeHub:
                     return
                 self.wfile.write(data)
 
-            def _error(self, code: int, error_code: str | None, msg: str) -> None:
+            def _error(self, code: int, error_code: str | None, msg: str, retry_after: int | None = None) -> None:
                 payload = ('{"error": "%s"}' % msg).encode()
                 self.send_response(code)
+                if retry_after is not None:
+                    self.send_header("Retry-After", str(retry_after))
                 if error_code:
                     self.send_header("X-Error-Code", error_code)
                     self.send_header("X-Error-Message", msg)

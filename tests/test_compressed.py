@@ -252,19 +252,28 @@ def test_the_quantization_red_arms_must_fail(built, release, monkeypatch):
 # ---------------------------------------------------------------- the plan
 
 
-def test_plan_weights_chooses_a_minimal_set_and_the_build_takes_it(release, tmp_path):
+@pytest.fixture(scope="module")
+def plan8(release, tmp_path_factory):
+    """plan-weights on 8 calibration records, budget 2e-4 (the all-int8 tiny decoder misses it)."""
+    tmp = tmp_path_factory.mktemp("plan8")
+    recipe = _recipe(tmp, "int8", "fp32")
+    plan_file = tmp / "plan.json"
+    res = runner.invoke(app, ["plan-weights", str(release), "--recipe", str(recipe), "--out", str(plan_file),
+                              "--budget-dp", "2e-4", "--records", "8", "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    return plan_file, res.stdout
+
+
+def test_plan_weights_chooses_a_minimal_set_and_the_build_takes_it(release, plan8, tmp_path):
     """On a budget the all-int8 model misses, the plan keeps the fewest layers fp16 that meet it, the
     chosen set less its most sensitive layer misses it (the proof), and a build from the plan keeps
     exactly those layers fp16 and names the plan; a plan for another scheme or release is refused."""
     from clef_flash.backbone.plan import WeightPlan
 
-    recipe = _recipe(tmp_path, "int8", "fp32")
     plan_file = tmp_path / "plan.json"
-    res = runner.invoke(app, ["plan-weights", str(release), "--recipe", str(recipe), "--out", str(plan_file),
-                              "--budget-dp", "2e-4", "--records", "8", "--json"])
-    assert res.exit_code == 0, res.output[-3000:]
+    shutil.copyfile(plan8[0], plan_file)
     plan = WeightPlan.model_validate_json(plan_file.read_text())
-    assert json.loads(res.stdout)["chosen"] == plan.chosen
+    assert json.loads(plan8[1])["chosen"] == plan.chosen
     assert sorted(plan.ranking) == [0, 1, 2, 3] and len(plan.layers) == 4
     assert plan.trials[0].fp16_layers == [] and not plan.trials[0].passes  # all int8 misses 2e-4
     assert 1 <= len(plan.chosen) < 4 and plan.met and plan.minimal
@@ -299,6 +308,49 @@ def test_plan_weights_chooses_a_minimal_set_and_the_build_takes_it(release, tmp_
                               "--out", str(tmp_path / "x.json")])
     assert res.exit_code == 2 and "compressed backbone recipe" in res.output
     assert not (tmp_path / "x.json").exists()
+
+
+def test_auto_build_chooses_what_plan_weights_chooses_and_ships_the_plan(release, plan8, tmp_path):
+    """fp16_layers = "auto": the build runs the planner (the recipe's budget and records) and keeps the
+    layers plan-weights chooses on the same records; the plan ships in the bundle with its sha256 in the
+    manifest and the record, the gate passes, and verify fails naming the plan when it is edited or
+    removed. An author's file the tool would not run is refused before any work."""
+    from clef_flash.backbone.plan import PLAN_FILE, WeightPlan
+
+    want = WeightPlan.model_validate_json(plan8[0].read_text())
+    recipe = _recipe(tmp_path, "int8", "fp32", extra='fp16_layers = "auto"\nplan_budget_dp = 2e-4\nplan_records = 8\n')
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(release), "--out", str(tmp_path / "d"), "--dry-run", "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    assert json.loads(res.stdout)["fp16_layers"] == "auto" and "chosen at build time" in json.loads(res.stdout)["plan"]
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(release), "--out", str(tmp_path / "b"), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    out = json.loads(res.stdout)
+    bundle = tmp_path / "b" / out["name"]
+    shipped = WeightPlan.model_validate_json((bundle / PLAN_FILE).read_text())
+    c = out["export"]["compression"]
+    assert shipped.chosen == want.chosen and shipped.ranking == want.ranking and len(want.chosen) >= 1
+    assert [t.max_abs_dp for t in shipped.trials] == [t.max_abs_dp for t in want.trials]
+    assert c["fp16_layers"] == want.chosen and c["plan"]["shipped"] and c["plan"]["file"] == PLAN_FILE
+    digest = hashlib.sha256((bundle / PLAN_FILE).read_bytes()).hexdigest()
+    assert c["plan"]["sha256"] == digest
+    record = json.loads((bundle / "build-record.json").read_text())
+    assert record["outputs"][PLAN_FILE] == digest
+    assert {e["layer"] for e in c["layers"] if e["weights"] == "fp16"} == set(want.chosen)
+
+    for name, edit in (("edited", lambda f: f.write_text(f.read_text().replace('"chosen": [', '"chosen": [0, ', 1))),
+                       ("removed", lambda f: f.unlink())):
+        copy = tmp_path / name
+        shutil.copytree(bundle, copy)
+        edit(copy / PLAN_FILE)
+        res = runner.invoke(app, ["verify", str(copy), "--source", str(release)])
+        assert res.exit_code == 3 and PLAN_FILE in res.output, (name, res.output[-2000:])
+
+    pins = json.loads((release / "pins.json").read_text())
+    untrusted = tmp_path / "untrusted-pins.json"
+    untrusted.write_text(json.dumps({**pins, "files": {**pins["files"], "joint_schema_model.py": "0" * 64}}))
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(release), "--pins", str(untrusted),
+                              "--out", str(tmp_path / "h"), "--dry-run"])
+    assert res.exit_code == 3 and "refusing to execute it" in res.output, res.output[-2000:]
 
 
 def test_release_and_check_release_through_a_compressed_backbone(release, tmp_path, monkeypatch):
@@ -339,3 +391,21 @@ def test_weight_plan_schema_is_in_sync():
 
     checked_in = json.loads((ROOT / "manifests" / "weight-plan.schema.json").read_text())
     assert checked_in == json_schema(), "run `clef-export schema --kind weight-plan > manifests/weight-plan.schema.json`"
+
+
+def test_plan_problems_names_what_a_plan_does_not_back(plan8):
+    """The plan-weights output proves its choice (no problems); each broken field is named: a chosen
+    set without its passing trial, a proof trial that met the budget, a verdict that is not its figure."""
+    from clef_flash.backbone.plan import WeightPlan, plan_problems
+
+    plan = WeightPlan.model_validate_json(plan8[0].read_text())
+    assert plan.chosen and plan_problems(plan) == []
+    other = plan.model_copy(update={"chosen": sorted(plan.ranking[1:len(plan.chosen) + 1])})
+    assert any("no trial of the chosen set" in p for p in plan_problems(other))
+    proof = plan.proof.model_copy(update={"max_abs_dp": plan.budget_dp / 2, "passes": True})
+    loose = plan.model_copy(update={"proof": proof})
+    assert any(p.startswith("not minimal") for p in plan_problems(loose))
+    assert not any(p.startswith("not minimal") for p in plan_problems(loose, minimal=False))
+    lying = plan.model_copy(update={"trials": [t.model_copy(update={"passes": True}) for t in plan.trials]})
+    assert any("but passes = True" in p for p in plan_problems(lying))
+    assert any("without a proof trial" in p for p in plan_problems(plan.model_copy(update={"proof": None, "minimal": True})))

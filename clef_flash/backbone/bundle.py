@@ -43,7 +43,13 @@ def check_files(bundle: Path, hashed: bool = True):
         f = Path(bundle) / TOKENIZER_DIR / name
         if not f.is_file() or sha256_file(f) != want:
             raise IntegrityError(f"{f}: missing or its sha256 differs from the manifest's")
-    return m, asset, checks + [("tokenizer files = manifest", True, f"{plural(len(m.tokenizer), 'file')}")]
+    checks = checks + [("tokenizer files = manifest", True, f"{plural(len(m.tokenizer), 'file')}")]
+    c = m.export.compression
+    if c is not None and c.plan is not None and c.plan.shipped:  # fp16_layers = "auto": the build's own plan
+        from .plan import check_shipped_plan
+
+        checks.append(("weight plan = manifest's fp16 layers", True, check_shipped_plan(bundle, c)))
+    return m, asset, checks
 
 
 _DTYPES = {"Float32": "fp32", "Float16": "fp16", "Int32": "int32"}

@@ -77,6 +77,7 @@ class PlanRef(Strict):
     sha256: str
     budget_dp: float
     chosen: list[int]  # the layers it keeps fp16
+    shipped: bool = False  # fp16_layers = "auto": the build chose them and the plan is in the bundle (weight-plan.json)
 
 
 class Compression(Strict):

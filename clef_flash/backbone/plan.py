@@ -16,6 +16,7 @@ from ..manifest import Strict
 
 PLAN_VERSION = "0.1"
 SCHEMA_FILE = "weight-plan.schema.json"
+PLAN_FILE = "weight-plan.json"  # in a bundle built with fp16_layers = "auto": the plan its build chose
 
 
 class LayerSensitivity(Strict):
@@ -93,3 +94,50 @@ def check_plan_fits(plan: WeightPlan, path: Path, scheme, files: dict[str, str],
     bad = [i for i in plan.chosen if i >= layers]
     if bad:
         raise UsageError(f"{path}: keeps layer {bad[0]} fp16; the decoder has {layers} layers")
+
+
+def plan_problems(plan: WeightPlan, minimal: bool = True) -> list[str]:
+    """What a plan's own trials do not back: a trial whose verdict is not its figure against the
+    budget, a chosen set without its passing trial, a kept set without its proof trial, and (``minimal``)
+    a proof trial that met the budget (a smaller set would do). Empty: the plan proves its choice."""
+    problems = [f"trial {t.fp16_layers}: max |dp| {t.max_abs_dp:.4g} against {plan.budget_dp:g} but passes = {t.passes}"
+                for t in plan.trials + ([plan.proof] if plan.proof else []) if t.passes != (t.max_abs_dp <= plan.budget_dp)]
+    backed = any(t.fp16_layers == plan.chosen and t.passes for t in plan.trials)
+    if not backed:
+        problems.append(f"no trial of the chosen set {plan.chosen} meets max |dp| {plan.budget_dp:g}")
+    if plan.met != backed:
+        problems.append(f"met = {plan.met} disagrees with the trials")
+    if plan.chosen and plan.proof is None:
+        problems.append(f"keeps {plan.chosen} fp16 without a proof trial (the set less its most sensitive layer)")
+    if plan.chosen and plan.proof is not None and plan.proof.fp16_layers != sorted(plan.ranking[1:len(plan.chosen)]):
+        problems.append(f"the proof trial keeps {plan.proof.fp16_layers}, not the chosen set less its most sensitive layer")
+    if plan.minimal != (plan.proof is None or not plan.proof.passes):
+        problems.append(f"minimal = {plan.minimal} disagrees with the proof trial")
+    if minimal and plan.proof is not None and plan.proof.passes:
+        problems.append(f"not minimal: {plan.proof.fp16_layers} fp16 also meets the budget ({plan.proof.max_abs_dp:.4g})")
+    return problems
+
+
+def check_shipped_plan(bundle: Path, c) -> str:
+    """A bundle's shipped plan (``fp16_layers = "auto"``) against its manifest's compression section:
+    the file is there with the recorded sha256, a valid plan whose chosen layers are the ones kept
+    fp16, that met its budget; ``IntegrityError`` naming the file. Returns the checklist's detail."""
+    from ..digest import sha256_file
+
+    path = Path(bundle) / PLAN_FILE
+    if not path.is_file():
+        raise IntegrityError(f"{path}: missing (the manifest says the build chose its fp16 layers and shipped the plan)")
+    if sha256_file(path) != c.plan.sha256:
+        raise IntegrityError(f"{path}: its sha256 differs from the manifest's")
+    try:
+        plan = load_plan(path)
+    except UsageError as exc:
+        raise IntegrityError(str(exc)) from None
+    if plan.chosen != c.plan.chosen or sorted(c.fp16_layers) != plan.chosen:
+        raise IntegrityError(f"{path}: chose fp16 layers {plan.chosen}; the manifest keeps {c.fp16_layers}")
+    if (plan.scheme.bits, plan.scheme.block) != (c.bits, c.block):
+        raise IntegrityError(f"{path}: a plan for int{plan.scheme.bits} per block of {plan.scheme.block}")
+    problems = plan_problems(plan, minimal=False)  # a plan that is not minimal still meets its budget
+    if problems:
+        raise IntegrityError(f"{path}: {problems[0]}")
+    return f"{PLAN_FILE}: fp16 layers {plan.chosen or 'none'}, max |dp| <= {plan.budget_dp:g}, minimal: {plan.minimal}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..bundle import atomic_write_bytes, atomic_write_json, check_free_space, check_output_path
 from ..digest import sha256_file, tree_bytes, tree_files
-from ..errors import IntegrityError, UsageError
+from ..errors import IntegrityError, NumericError, UsageError
 from ..formats import aimodel  # a backbone is a Core AI asset: the format's own names
 from ..layout import MANIFEST_FILE
 from ..manifest import Compilation, FileDigest, LocalOrigin
@@ -27,13 +27,15 @@ from ..backbone.contract import weight_names
 from ..backbone.quantize import compressed_names
 from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface, Language, TensorSpec
 from ..backbone.manifest import Compression, LayerWeights, PlanRef
+from ..backbone.plan import PLAN_FILE
 from ..backbone.files import TOKENIZER_DIR, check_pinned, read_files, release_config, verify_files
 from ..backbone.weights import asset_bytes, locate, scratch_bytes
 from ..gate.backbone import BackboneVerifyConfig, tolerances, verify_backbone
 from ..sources.safetensors import shard_files
 
 from .config import BuildConfig, Made, Plan, bundle_name
-from .process import run_export_hashing
+from .process import run_export, run_export_hashing
+from ..progress import plural
 
 MODEL = "backbone"
 SHIPS_LM_HEAD_TABLE = True  # a release with the backbone is the whole model: the host's lexical table ships too
@@ -79,7 +81,11 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     if not source.is_dir():
         raise IntegrityError(f"{source}: source folder not found")
     names = read_files(source)
-    later = [n for n in shard_files(source) if n in names] if defer else []
+    auto = recipe.scheme is not None and recipe.fp16_layers == "auto"
+    if auto:
+        check_planner_inputs(cfg, source, pins)
+    # "auto": the planner reads every shard first, so they are hashed here rather than beside the export
+    later = [n for n in shard_files(source) if n in names] if defer and not auto else []
     check_pinned(source, pins, cfg.pins_path, later)  # the rest: verify_files
     digests = verify_files(source, pins, cfg.pins_path, [n for n in names if n not in later], log)
     text = release_config(source)
@@ -93,30 +99,76 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     fp16_layers, plan_ref = resolve_fp16_layers(cfg, text, digests, pins)
     compressed = compressed_names(weight_names(text), scheme, fp16_layers) if scheme else []
     fp16 = scratch_bytes(infos)
-    implied = asset_bytes(infos, scheme, compressed)
+    implied = asset_bytes(infos, scheme, compressed)  # "auto": every layer compressed until the plan chooses
     parameters = sum(math.prod(t.shape) for t in infos.values())
     numeric = bool(cfg.verify and recipe.verify.enabled and parameters <= recipe.verify.numeric_max_parameters)
     what = "the backbone build (main.mlirb and the numeric gate's compiled fp32 copy)" if numeric else \
         "the backbone build (main.mlirb)"
     held = scratch_bytes({n: infos[n] for n in compressed}, scheme, compressed) if scheme else 0
-    check_free_space(final.parent, disk_need(implied, numeric, fp16, held), what)
+    # "auto": the plan may keep any layers fp16, so the space for the largest main.mlirb (all fp16)
+    check_free_space(final.parent, disk_need(asset_bytes(infos) if auto else implied, numeric, fp16, held), what)
     info = {"recipe": str(cfg.recipe_path), "name": final.name, "model": MODEL, "bundle": str(final),
             "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
             "files": digests, "deferred": later, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,
             "parameters": parameters, "weight_fp16_bytes": fp16, "text_config": text.as_dict()}
     if scheme:
-        info.update({"block": scheme.block, "fp16_layers": list(fp16_layers), "compressed_tensors": len(compressed),
-                     "implied_weight_bytes": implied, "experimental": recipe.experimental,
-                     "plan": plan_ref.model_dump() if plan_ref else None})
+        info.update({"block": scheme.block, "fp16_layers": "auto" if auto else list(fp16_layers),
+                     "compressed_tensors": None if auto else len(compressed),
+                     "implied_weight_bytes": None if auto else implied, "experimental": recipe.experimental,
+                     "plan": f"chosen at build time by plan-weights (budget max |dp| {recipe.plan_budget_dp:g}), "
+                             f"shipped as {PLAN_FILE}" if auto else plan_ref.model_dump() if plan_ref else None})
     return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
                 extra={"text": text, "chunking": chunking, "infos": infos, "scheme": scheme, "compressed": compressed,
-                       "fp16_layers": fp16_layers, "plan_ref": plan_ref, "implied": implied})
+                       "fp16_layers": fp16_layers, "plan_ref": plan_ref, "implied": implied, "auto": auto})
+
+
+def check_planner_inputs(cfg: BuildConfig, source: Path, pins) -> None:
+    """``fp16_layers = "auto"`` measures end to end through the release's head, the author's code
+    included: refused now (not after the shards are hashed) where its files are missing or the tool
+    would not run the author's file (the pins always name the head's files)."""
+    from ..sources.author import check_author_trusted
+    from ..sources.pins import CODE_FILE, HEAD_FILES
+
+    absent = [f for f in HEAD_FILES if not (source / f).is_file()]
+    if absent:
+        raise IntegrityError(f"{source / absent[0]}: pinned but missing; run `clef-export fetch` to download it")
+    check_author_trusted(source / CODE_FILE, pins.files[CODE_FILE], pins.trusted_author_sha256)
+
+
+def choose_layers(p: Plan, tmp: Path, log=lambda m: None) -> None:
+    """``fp16_layers = "auto"``: ``plan-weights`` on the release (in the worker: its memory goes back to
+    the OS before the export starts), written into the staged bundle as ``weight-plan.json``; the
+    layers it keeps fp16 become the plan's. A plan that did not meet its budget is a failed build."""
+    from ..backbone.plan import load_plan, plan_problems
+    from .plan_weights import PLAN_JOB
+
+    out = tmp / PLAN_FILE
+    recipe = p.cfg.recipe
+    log(f"choosing the layers kept fp16 (plan-weights, budget max |dp| {recipe.plan_budget_dp:g})")
+    run_export(out, {"model": PLAN_JOB, "asset_dir": str(out), "release": str(p.source),
+                     "recipe": recipe.model_dump(mode="json"), "recipe_path": str(p.cfg.recipe_path),
+                     "pins_path": str(p.cfg.pins_path), "out": str(out), "checked": p.files}, log)
+    plan = load_plan(out)
+    problems = plan_problems(plan, minimal=False)
+    if problems:
+        raise NumericError(f"{out.name}: the plan does not back its choice ({problems[0]})")
+    if not plan.minimal:  # it meets the budget; a smaller set not on the bisection's path also does
+        log(f"note: {plan_problems(plan)[-1]}")
+    text, infos, scheme = p.extra["text"], p.extra["infos"], p.extra["scheme"]
+    compressed = compressed_names(weight_names(text), scheme, plan.chosen)
+    p.extra.update({"fp16_layers": tuple(plan.chosen), "compressed": compressed, "implied": asset_bytes(infos, scheme, compressed),
+                    "plan_ref": PlanRef(file=PLAN_FILE, sha256=sha256_file(out), budget_dp=plan.budget_dp,
+                                        chosen=list(plan.chosen), shipped=True)})
+    p.info.update({"fp16_layers": list(plan.chosen), "compressed_tensors": len(compressed),
+                   "implied_weight_bytes": p.extra["implied"], "plan": p.extra["plan_ref"].model_dump()})
+    log(f"plan: fp16 layers {plan.chosen or 'none'} ({plural(len(compressed), 'tensor')} compressed; "
+        f"minimal: {plan.minimal}; {plan.seconds['total']:.1f} s)")
 
 
 def resolve_fp16_layers(cfg: BuildConfig, text: TextConfig, digests: dict[str, str], pins):
     """The decoder layers a compressed recipe keeps fp16, and the plan that chose them: the recipe's
-    list, its plan file (checked to be this release's and this scheme's), or ``auto`` (refused here:
-    ``plan-weights`` writes the plan the recipe names)."""
+    list, its plan file (checked to be this release's and this scheme's), or ``auto`` (nothing yet:
+    ``choose_layers`` runs the planner at build time)."""
     from ..backbone.plan import check_plan_fits, load_plan
     from ..digest import sha256_file
 
@@ -132,8 +184,7 @@ def resolve_fp16_layers(cfg: BuildConfig, text: TextConfig, digests: dict[str, s
         ref = PlanRef(file=path.name, sha256=sha256_file(path), budget_dp=plan.budget_dp, chosen=list(plan.chosen))
         return tuple(plan.chosen), ref
     if recipe.fp16_layers == "auto":
-        raise UsageError(f"{cfg.recipe_path}: fp16_layers = \"auto\": run `clef-export plan-weights` first and name "
-                         f"its plan (plan = \"PLAN.json\"); the build does not choose layers itself yet")
+        return (), None  # chosen at build time (choose_layers), before the export
     bad = [i for i in recipe.fp16_layers if i >= layers]
     if bad:
         raise UsageError(f"{cfg.recipe_path}: fp16_layers names layer {bad[0]}; the decoder has {layers} layers")
@@ -200,6 +251,8 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     text, chunking = p.extra["text"], p.extra["chunking"]
     asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
     scheme = p.extra["scheme"]
+    if p.extra["auto"]:
+        choose_layers(p, tmp, log)
     job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "text_config": text.as_dict(),
            "chunk": recipe.chunk, "context": recipe.context, "image_rows": recipe.image_rows, "compute": recipe.compute,
            "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": p.extra["compressed"]} if scheme else None,
@@ -239,6 +292,8 @@ def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
     known = {"main.mlirb": (asset_dir / "main.hash").read_bytes().hex()}
     outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir, known).items()}
     outputs.update({f"{TOKENIZER_DIR}/{k}": v for k, v in tokenizer.items()})
+    if p.extra["auto"]:
+        outputs[PLAN_FILE] = p.extra["plan_ref"].sha256
     mlirb = asset_dir / "main.mlirb"
     seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
     seconds["total"] = round(sum(seconds.values()), 3)

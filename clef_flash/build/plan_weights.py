@@ -42,6 +42,7 @@ class PlanConfig:
     budget_dp: float | None = None  # None: the recipe's plan_budget_dp
     records: int | None = None  # at most this many calibration records (default: every request)
     overwrite: bool = False
+    checked: dict[str, str] | None = None  # file -> sha256 the caller (a build's plan) just checked against the pins
 
 
 class RowTable:
@@ -104,7 +105,10 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     requests = load_requests(requests_path)
     pins = load_pins(cfg.pins_path)
     names = read_files(source)
-    files = verify_files(source, pins, cfg.pins_path, names, log)
+    if cfg.checked is not None and all(n in cfg.checked for n in names):
+        files = {n: cfg.checked[n] for n in names}  # a build's plan hashed them against the pins already
+    else:
+        files = verify_files(source, pins, cfg.pins_path, names, log)
     text = release_config(source)
     wanted = weight_names(text)
     infos = locate(source, wanted)
@@ -122,8 +126,9 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
         raise IntegrityError(f"{source}: cannot load the tokenizer ({str(exc).splitlines()[0][:200]})") from None
     processor = TextProcessor(tokenizer=tokenizer)
     encoded = [module.encode_record(tokenizer, r.body, processor=processor) for r in requests]
-    if cfg.records is not None:
-        encoded = encoded[:cfg.records]
+    limit = cfg.records if cfg.records is not None else recipe.plan_records
+    if limit is not None:
+        encoded = encoded[:limit]
     records = [np.asarray(e.input_ids, dtype=np.int64) for e in encoded]
     lm = locate(source, {"lm_head.weight": (text.vocab_size, text.hidden_size)}).get("lm_head.weight")
     table = RowTable(source, lm)
@@ -219,3 +224,19 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     )
     atomic_write_json(out, plan.model_dump(mode="json"))
     return plan
+
+
+PLAN_JOB = "weight-plan"
+
+
+def plan_job(job: dict, log) -> dict:
+    """The worker's job for a build with ``fp16_layers = "auto"`` (``build.backbone.choose_layers``):
+    the planner in its own process, so its memory (the reference's layers, the calibration rows) goes
+    back to the OS before the export starts."""
+    from ..recipe import BackboneRecipe
+
+    cfg = PlanConfig(release=Path(job["release"]), recipe=BackboneRecipe.model_validate(job["recipe"]),
+                     recipe_path=Path(job["recipe_path"]), pins_path=Path(job["pins_path"]), out=Path(job["out"]),
+                     checked=job["checked"])
+    plan = plan_weights(cfg, log)
+    return {"chosen": plan.chosen, "met": plan.met, "minimal": plan.minimal, "seconds": plan.seconds}

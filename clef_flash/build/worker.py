@@ -8,10 +8,11 @@ import os
 import sys
 
 from ..errors import ClefError, OutputError
-from . import backbone, head, vision
+from . import backbone, head, plan_weights, vision
 from .process import PARENT_ENV, root_cause
 
 JOBS = {m.MODEL: m.export_job for m in (head, backbone, vision)}
+JOBS[plan_weights.PLAN_JOB] = plan_weights.plan_job  # a build's fp16_layers = "auto"
 
 
 def _main(job_text: str) -> int:

@@ -216,7 +216,7 @@ def _proof(dist: Dist, transcript: dict[str, Any] | None) -> list[str]:
                 plan = c.get("plan")
                 out += ["", f"Precision: weights int{c['bits']} (symmetric, per block of {c['block']} along each linear's "
                         f"input axis, fp16 scales) on {c['compressed_tensors']} decoder linears; kept fp16: layers "
-                        f"{c['fp16_layers'] or 'none'}" + (f", chosen by the plan `{plan['file']}` (sha256 `{plan['sha256'][:16]}`, "
+                        f"{c['fp16_layers'] or 'none'}" + (f", chosen by the plan `{plan['file']}`{' (chosen at build time, shipped in the bundle)' if plan.get('shipped') else ''} (sha256 `{plan['sha256'][:16]}`, "
                         f"budget max |d p| {fig(plan['budget_dp'])})" if plan else "") + "; the embedding, conv1d and norms fp16. "
                         f"main.mlirb is {fig(c['mlirb_over_implied'])} x the scheme's bytes.",
                         "", "The rows above are the asset against torch eager on its own dequantized weights (read back from "
