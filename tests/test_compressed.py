@@ -170,22 +170,38 @@ def test_compressed_builds_say_what_was_compressed(built, release):
     assert worst < 1e-5 < s["quantization"]["rel_max_abs_d"]
 
 
-def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path):
+def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path, monkeypatch):
     """Codes and scales written into main.mlirb while it is written (streamed) = the same program
     converted with every value in hand, byte for byte; the converter's own route (its copies of
     every value) holds the same blobs (it writes the smallest constants inline). At context 1024 the
     filled file's offsets section grew past the resource section's alignment, which the small
-    file's writer had left undeclared: the runtime refused the file until inflate declared it."""
+    file's writer had left undeclared: the runtime refused the file until inflate declared it.
+
+    How the streamed route gets there: each tensor's scales are asked before its codes, and its
+    codes' pass divides by the scales that pass kept; every tensor but the first is named to
+    ``prefetch`` (inflate's ``upcoming``) before it is asked, and nothing else is."""
+    from clef_flash.backbone import weights as W
     from clef_flash.backbone.contract import read_text_config, weight_names
     from clef_flash.backbone.export import export_job
     from clef_flash.backbone.quantize import Scheme, compressed_names
     from clef_flash.formats.mlirb import blob_sha256, blobs
+
+    calls: list[tuple] = []
+    stream, prefetch, code_blocks = W.Fp16Weights.stream, W.Fp16Weights.prefetch, W.Fp16Weights._code_blocks
+    monkeypatch.setattr(W.Fp16Weights, "stream", lambda self, name, part="fp16", *a, **k: (calls.append(("ask", name, part)), stream(self, name, part, *a, **k))[1])
+    monkeypatch.setattr(W.Fp16Weights, "prefetch", lambda self, name: (calls.append(("hint", name, None)), prefetch(self, name))[1])
+    monkeypatch.setattr(W.Fp16Weights, "_code_blocks", lambda self, t, k, packed, block_bytes=W._BLOCK_BYTES, scales_only=False, scales_made=None:
+                        (calls.append(("codes from kept scales", t.name, None)) if scales_made is not None and not scales_only else None,
+                         code_blocks(self, t, k, packed, block_bytes, scales_only, scales_made))[1])
+    will_need = W._will_need
+    monkeypatch.setattr(W, "_will_need", lambda path, offset, length: (calls.append(("read ahead", offset, length)), will_need(path, offset, length))[1])
 
     cfg = read_text_config(release)
     for bits, compute, context in ((8, "fp32", 1024), (4, "fp16", 64)):
         names = compressed_names(weight_names(cfg), Scheme(bits, 32), [1])
         digests = {}
         for route, job_extra in (("own", {"buffers": False}), ("held", {"stream": False}), ("streamed", {})):
+            calls.clear()
             d = tmp_path / f"{bits}-{route}"
             d.mkdir()
             job = {"source": str(release), "asset_dir": str(d / "a.aimodel"), "text_config": cfg.as_dict(), "chunk": 64 if context > 64 else 16,
@@ -195,6 +211,18 @@ def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path)
             path = d / "a.aimodel" / "main.mlirb"
             with open(path, "rb") as fh:
                 digests[route] = (hashlib.sha256(path.read_bytes()).hexdigest(), {blob_sha256(fh, b) for b in blobs(path)})
+            if route == "streamed":
+                asked = [(n, part) for kind, n, part in calls if kind == "ask"]
+                order = list(dict.fromkeys(n for n, _ in asked))
+                hinted = [n for kind, n, _ in calls if kind == "hint"]
+                coded = [n for n, part in asked if part == "codes"]
+                assert coded and all(asked[asked.index((n, "codes")) - 1] == (n, "scales") for n in coded), bits
+                assert [n for kind, n, _ in calls if kind == "codes from kept scales"] == coded, bits
+                assert set(hinted) <= set(order), bits  # nothing else
+                ahead = [c[1] for c in calls if c[0] == "read ahead"]  # on a thread: pending ones are dropped at close
+                assert ahead and len(ahead) == len(set(ahead)) <= len(set(hinted)), bits  # each tensor read ahead once at most
+                first_ask = {n: next(i for i, c in enumerate(calls) if c[:2] == ("ask", n)) for n in order}
+                assert all(any(c == ("hint", n, None) for c in calls[:first_ask[n]]) for n in order[1:]), bits
         assert digests["streamed"] == digests["held"], bits
         assert digests["own"][1] <= digests["streamed"][1], bits
 
@@ -212,6 +240,40 @@ def _found(bundle: Path, release: Path):
     mlirb = next(bundle.glob("*.aimodel")) / "main.mlirb"
     return lambda path: compare(path, release, locate(release, weight_names(text)), m.export.compute == "fp32",
                                 scheme=scheme, compressed=names), mlirb
+
+
+# another machine's CPU, as far as one machine can play it: torch's scalar kernels (no AVX2 / AVX-512)
+# and numpy's dispatch to them off, one thread, and another path, temp folder, hash seed, stack limit
+OTHER_MACHINE = {"ATEN_CPU_CAPABILITY": "default", "NPY_DISABLE_CPU_FEATURES": "X86_V3 X86_V4 AVX512_ICL AVX512_SPR",
+                 "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "99", "TZ": "Pacific/Chatham"}
+
+
+def test_compressed_bytes_are_the_same_on_a_rerun_and_on_another_machine(built, release, tmp_path):
+    """The int8 (fp32 compute) and int4 builds again, in another process set up as another machine
+    would be (``OTHER_MACHINE``): main.mlirb is the same bytes, and so is what the manifest says was
+    compressed. The codes' rule is exact arithmetic (absmax, one division, round half to even), so
+    no vector width or thread count may move a byte."""
+    import resource
+    import subprocess
+    import sys
+
+    from .test_repro import cli_build, other_interpreter
+
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                           env={**__import__("os").environ, **OTHER_MACHINE}, capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "DEFAULT", probe.stdout  # the scalar kernels really ran
+    other = tmp_path / "other cwd"
+    other.mkdir()
+    python = other_interpreter(tmp_path)
+    for key, weights, compute in (("int8w32", "int8", "fp32"), ("int4", "int4", "fp16")):
+        recipe = _recipe(tmp_path, weights, compute)
+        again = cli_build(python, release, tmp_path / key, other,
+                          {**OTHER_MACHINE, "TMPDIR": str(other)}, resource.RLIM_INFINITY, recipe=recipe, name=built[key].name)
+        first, second = (b / f"{b.name}.aimodel" for b in (built[key], again))
+        for f in ("main.mlirb", "main.hash"):
+            assert (first / f).read_bytes() == (second / f).read_bytes(), (key, f)
+        c1, c2 = (json.loads((b / "metadata.json").read_text())["export"]["compression"] for b in (built[key], again))
+        assert c1 == c2 and c1["compressed_tensors"] > 0
 
 
 @pytest.mark.parametrize("key", ["int8w32", "int4"])

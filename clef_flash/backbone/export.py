@@ -268,7 +268,8 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     log(f"saving {asset_dir.name}" + (f", {plural(len(made.streamed), 'tensor')} converted into main.mlirb" if made.streamed else ""))
     fill = None
     if made.streamed:
-        fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(*_part(made.streamed[tag][0])))
+        fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(*_part(made.streamed[tag][0])),
+                lambda tag: weights.prefetch(_part(made.streamed[tag][0])[0]))
     try:
         save(program, asset_dir, job["description"], log, fill=fill)
     except MissingPlaceholders as exc:  # name the tensors, not the placeholders

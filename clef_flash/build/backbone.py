@@ -46,14 +46,13 @@ def compiles(recipe) -> bool:
 MARGIN = 64 << 20
 
 
-def disk_need(asset_bytes: int, numeric: bool, fp16_bytes: int | None = None, held_bytes: int = 0) -> int:
+def disk_need(asset_bytes: int, numeric: bool, fp16_bytes: int | None = None) -> int:
     """Bytes the build puts on the output's disk at its peak: ``main.mlirb`` (the weights once, as the
-    scheme stores them: the large fp16 tensors are converted straight into it, ``mlirb.inflate``),
-    the scratch file's compressed tensors (``held_bytes``: the part of each that main.mlirb asks for
-    second is made with the first and kept in its slot until the file is written), and where the numeric gate runs,
+    scheme stores them: the large tensors, fp16 or codes and scales, are made straight into it,
+    ``mlirb.inflate``; the scratch file's slots for them stay holes), and where the numeric gate runs,
     the runtime's compiled copy with fp32 weights."""
     fp16_bytes = asset_bytes if fp16_bytes is None else fp16_bytes
-    return asset_bytes + held_bytes + (2 * fp16_bytes if numeric else 0) + MARGIN
+    return asset_bytes + (2 * fp16_bytes if numeric else 0) + MARGIN
 
 
 def refuse(cfg: BuildConfig) -> None:
@@ -104,9 +103,8 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     numeric = bool(cfg.verify and recipe.verify.enabled and parameters <= recipe.verify.numeric_max_parameters)
     what = "the backbone build (main.mlirb and the numeric gate's compiled fp32 copy)" if numeric else \
         "the backbone build (main.mlirb)"
-    held = scratch_bytes({n: infos[n] for n in compressed}, scheme, compressed) if scheme else 0
     # "auto": the plan may keep any layers fp16, so the space for the largest main.mlirb (all fp16)
-    check_free_space(final.parent, disk_need(asset_bytes(infos) if auto else implied, numeric, fp16, held), what)
+    check_free_space(final.parent, disk_need(asset_bytes(infos) if auto else implied, numeric, fp16), what)
     info = {"recipe": str(cfg.recipe_path), "name": final.name, "model": MODEL, "bundle": str(final),
             "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
             "files": digests, "deferred": later, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,

@@ -259,8 +259,9 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
     after their bytes (the compiler keys them by a per-process hash), ``main.hash`` to match, the
     asset's metadata in a fixed key order with ``SOURCE_DATE_EPOCH`` as its creation date.
 
-    ``fill``: ``(sizes, supply)`` for resources the program declares empty (``mlirb.inflate``): the
-    bytecode is written small and ``main.mlirb`` rewritten once with their data, named as above."""
+    ``fill``: ``(sizes, supply)`` or ``(sizes, supply, upcoming)`` for resources the program declares
+    empty (``mlirb.inflate``): the bytecode is written small and ``main.mlirb`` rewritten once with
+    their data, named as above."""
     from coreai.runtime import AIModelAssetMetadata
 
     from ..bundle import atomic_write_bytes, dumps_json
@@ -281,7 +282,8 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
         renamed, digest = stable_resource_names(asset_dir / MLIRB)
     else:
         part = asset_dir / (MLIRB + ".part")
-        renamed, digest = inflate(asset_dir / MLIRB, part, *fill)
+        sizes, supply, *upcoming = fill
+        renamed, digest = inflate(asset_dir / MLIRB, part, sizes, supply, upcoming=upcoming[0] if upcoming else None)
         os.replace(part, asset_dir / MLIRB)
     log(f"{renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s"
         + (f", {len(fill[0])} of them converted into place" if fill else ""))

@@ -545,7 +545,7 @@ class MissingPlaceholders(BytecodeError):
         self.keys = keys
 
 
-def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_") -> tuple[int, str]:
+def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_", upcoming=None) -> tuple[int, str]:
     """Write ``out``: the bytecode ``path`` (small) with each blob whose data is a key of ``sizes`` (a
     placeholder) given its ``sizes[key]`` bytes from ``supply(key)`` (an iterable of bytes-like
     chunks, each left intact until the one after the next is asked for; it is advanced in a thread
@@ -553,6 +553,9 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
     renamed after its sha256 as ``stable_resource_names`` does. Returns how many were renamed and the sha256 of
     ``out``. The resource offsets come before the resources, and the names after them: the file is
     written in one pass, each supplied byte hashed twice (its blob, the file) and written once.
+
+    ``upcoming(key)``, if given, is told which placeholders come next (the two after the one being
+    filled, when it starts): a supplier that reads from disk can ask for those bytes early.
 
     The bytes are those of the converter's own writer given the data (a test holds it): each
     blob's padding is relative to the resource section's start, which is aligned for every blob."""
@@ -597,6 +600,8 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
         raise MissingPlaceholders(f"{path}: {len(left)} placeholder(s) to fill not found (merged or dropped by the compiler?)",
                                   sorted(left))
     offsets_data = _write_groups(groups, new_sizes)
+    order = [body[0] for _, body, _ in plan if isinstance(body, tuple)]  # the placeholders, as they are filled
+    nth = {key: i for i, key in enumerate(order)}
 
     whole = hashlib.sha256()
     digests: list[str] = []
@@ -628,6 +633,9 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
                             # the next chunk is made in a thread of its own while this one is hashed
                             # twice (two more threads) and written: conversion, hashing and the disk
                             # overlap, and a chunk is reused only once its hashes and write are done
+                            if upcoming is not None:
+                                for key in order[nth[body[0]] + 1:nth[body[0]] + 3]:
+                                    upcoming(key)
                             chunks = iter(supply(body[0]))
                             ahead = maker.submit(next, chunks, None)
                             while (chunk := ahead.result()) is not None:
