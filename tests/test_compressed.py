@@ -471,3 +471,41 @@ def test_plan_problems_names_what_a_plan_does_not_back(plan8):
     lying = plan.model_copy(update={"trials": [t.model_copy(update={"passes": True}) for t in plan.trials]})
     assert any("but passes = True" in p for p in plan_problems(lying))
     assert any("without a proof trial" in p for p in plan_problems(plan.model_copy(update={"proof": None, "minimal": True})))
+
+
+def test_a_trial_from_its_first_compressed_layer_is_the_whole_pass(release, monkeypatch):
+    """plan-weights' trials start at their first compressed layer, given the uncompressed pass's
+    layer outputs: the rows are the whole pass's bit for bit, and no weight of an earlier layer is
+    read. Started one layer late (the stored outputs one layer off) the rows differ."""
+    from clef_flash.backbone import reference
+    from clef_flash.backbone.contract import read_text_config, weight_names
+    from clef_flash.backbone.quantize import Scheme, compressed_names
+    from clef_flash.backbone.sensitivity import Dequantizer, LayerOutputs, layer_errors, rows_with
+    from clef_flash.backbone.weights import locate
+
+    text = read_text_config(release)
+    scheme = Scheme(8, 32)
+    names = compressed_names(weight_names(text), scheme)
+    infos = locate(release, weight_names(text))
+    rng = np.random.default_rng(0)
+    records = [rng.integers(0, text.vocab_size, n) for n in (19, 33)]
+    loaded: list[str] = []
+    load = reference.StreamedTextModel._load
+    monkeypatch.setattr(reference.StreamedTextModel, "_load", lambda self, mod, prefix: (loaded.append(prefix), load(self, mod, prefix))[1])
+    with LayerOutputs() as outputs:
+        _, base = layer_errors(release, records, infos, scheme, names, False, outputs=outputs)
+        assert sorted(p.name for p in outputs.path.iterdir()) == sorted(f"{i}-{r}.npy" for i in range(4) for r in range(2))
+        deq = Dequantizer(release, infos, scheme, names, False)
+        wholes = {}
+        for layers in ({2}, {2, 3}):
+            whole = wholes[len(layers)] = rows_with(release, records, deq, layers)
+            loaded.clear()
+            started = rows_with(release, records, deq, layers, outputs=outputs)
+            assert all(np.array_equal(a, b) for a, b in zip(whole, started, strict=True)), layers
+            assert sorted(set(loaded) - {"norm."}) == ["layers.2.", "layers.3."], loaded  # the final norm: every pass
+            assert not all(np.array_equal(a, b) for a, b in zip(whole, base, strict=True))  # layer 2 compressed moves the rows
+        late = outputs.entering
+        monkeypatch.setattr(outputs, "entering", lambda layer, record: late(layer + 1, record))
+        off = rows_with(release, records, deq, {2}, outputs=outputs)
+        assert not all(np.array_equal(a, b) for a, b in zip(wholes[1], off, strict=True))
+    assert not outputs.path.exists()  # the stored outputs go with the block

@@ -63,9 +63,25 @@ class StreamedTextModel:
         wanted = {f"{LM}{n}": tuple(p.shape) for n, p in model.named_parameters()}
         self.infos = locate(self.source, wanted)
         self._load(model.norm, "norm.")
+        self._start: tuple[int, object] | None = None  # ``rows(start=...)``: (layer, the hidden states entering it)
         for i, layer in enumerate(model.layers):
-            layer.register_forward_pre_hook(lambda mod, args, prefix=f"layers.{i}.": self._load(mod, prefix))
+            layer.register_forward_pre_hook(lambda mod, args, prefix=f"layers.{i}.", i=i: None if self._skipped(i) else self._load(mod, prefix))
             layer.register_forward_hook(lambda mod, args, out: self._drop(mod))
+            layer.forward = self._skipping(i, layer.forward)
+
+    def _skipped(self, i: int) -> bool:
+        return self._start is not None and i < self._start[0]
+
+    def _skipping(self, i: int, forward):
+        """Layer ``i``'s forward, or, for a layer before ``rows(start=...)``'s, nothing run and no
+        weight read: it hands its input on, and the one just before the start hands on the hidden
+        states given for it (the text model calls each layer with the hidden states first and
+        takes back the layer's new ones)."""
+        def run(hidden_states, *args, **kwargs):
+            if self._skipped(i):
+                return self._start[1] if i == self._start[0] - 1 else hidden_states
+            return forward(hidden_states, *args, **kwargs)
+        return run
 
     def _load(self, module, prefix: str) -> None:
         import torch
@@ -95,10 +111,22 @@ class StreamedTextModel:
         values = as_f32(np.ascontiguousarray(rows).reshape(-1), t.dtype).reshape(len(ids), t.shape[1])
         return torch.from_numpy(values).to(self.dtype)
 
-    def rows(self, ids: np.ndarray, image=None) -> np.ndarray:
+    def rows(self, ids: np.ndarray, image=None, start: tuple[int, np.ndarray] | None = None) -> np.ndarray:
         """The final-norm rows of ``ids``; with ``image`` (``host.ImageSpan``), what transformers'
         multimodal ``Qwen3_5Model`` does with an image's features: its rows in place of the tokens'
-        embeddings and the three-axis positions of its own ``get_rope_index``."""
+        embeddings and the three-axis positions of its own ``get_rope_index``. ``start``: (layer
+        ``k``, the hidden states ``[T, H]`` entering it, from an earlier pass whose layers before
+        ``k`` were these): only layers ``k`` on run (``sensitivity``: a layer compressed alone)."""
+        import torch
+
+        if start is not None and start[0] > 0:
+            self._start = (start[0], torch.from_numpy(np.asarray(start[1])).to(self.dtype)[None])
+        try:
+            return self._rows(ids, image)
+        finally:
+            self._start = None
+
+    def _rows(self, ids: np.ndarray, image=None) -> np.ndarray:
         import torch
 
         embeds = self.embed(ids)

@@ -8,7 +8,9 @@ and compares the two outputs (max |d| and rms relative to the layer output's lar
 The rest of the model sees only the uncompressed outputs: each number is that layer's own error.
 
 ``rows_with``: the hidden rows with a chosen set of layers compressed (the end-to-end trials).
-Both compute in fp32 eager: the plan measures the quantization alone, not a runtime's arithmetic.
+Given the uncompressed pass's layer outputs (``LayerOutputs``, on disk), a trial runs from its first
+compressed layer on: the layers before it are the uncompressed pass's, bit for bit. Both compute
+in fp32 eager: the plan measures the quantization alone, not a runtime's arithmetic.
 """
 
 from __future__ import annotations
@@ -47,10 +49,47 @@ class Dequantizer:
         return None
 
 
+class LayerOutputs:
+    """Every decoder layer's uncompressed output for every record (fp32 ``[T, H]``), in files of a
+    folder of this process's own (1.4 GB at the 9B with four requests: not held in memory), so that
+    a trial whose first compressed layer is ``k`` starts there (``rows_with``). A context manager:
+    the folder goes at the block's end, and a killed process's is swept by the next
+    (``tmpdirs``)."""
+
+    def __init__(self, parent: Path | None = None) -> None:
+        import os
+        import tempfile
+
+        from ..tmpdirs import PREFIX, sweep
+
+        parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+        sweep(parent)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-layer-outputs-", dir=parent))
+
+    def put(self, layer: int, record: int, value: np.ndarray) -> None:
+        np.save(self.path / f"{layer}-{record}.npy", np.ascontiguousarray(value, dtype=np.float32))
+
+    def entering(self, layer: int, record: int) -> np.ndarray | None:
+        """The hidden states entering ``layer`` for ``record`` (None for layer 0: the embedding)."""
+        return np.load(self.path / f"{layer - 1}-{record}.npy") if layer > 0 else None
+
+    def close(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> "LayerOutputs":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def layer_errors(source: Path, records: list[np.ndarray], infos: dict[str, TensorInfo], scheme, compressed: list[str],
-                 scaled: bool, tick=lambda: None) -> tuple[dict[int, dict[str, float]], list[np.ndarray]]:
+                 scaled: bool, tick=lambda: None, outputs: LayerOutputs | None = None) -> tuple[dict[int, dict[str, float]], list[np.ndarray]]:
     """Per decoder layer: its output error with its linears compressed (``rel_max_abs_d``,
-    ``rel_rms_d``; the worst over the records), and the uncompressed hidden rows of every record."""
+    ``rel_rms_d``; the worst over the records), and the uncompressed hidden rows of every record;
+    each layer's uncompressed output kept in ``outputs`` where given."""
     import torch
 
     from .reference import StreamedTextModel
@@ -60,13 +99,16 @@ def layer_errors(source: Path, records: list[np.ndarray], infos: dict[str, Tenso
     for n in compressed:
         by_layer.setdefault(layer_of(n), []).append(n)
     errors: dict[int, dict[str, float]] = {}
+    current = [0]  # the record being run
 
     def hook(index: int):
         def after(module, args, kwargs, output):
+            want = output[0] if isinstance(output, tuple) else output
+            if outputs is not None:
+                outputs.put(index, current[0], want[0].numpy())
             names = by_layer.get(index)
             if not names:
                 return None
-            want = output[0] if isinstance(output, tuple) else output
             kept = {}
             prefix = f"{LM}layers.{index}."
             for full in names:
@@ -90,20 +132,25 @@ def layer_errors(source: Path, records: list[np.ndarray], infos: dict[str, Tenso
     for i, layer in enumerate(ref.model.layers):  # before the reference's own hook drops the layer's weights
         layer.register_forward_hook(hook(i), with_kwargs=True, prepend=True)
     rows = []
-    for ids in records:
+    for r, ids in enumerate(records):
+        current[0] = r
         rows.append(ref.rows(ids))
         tick()
     return errors, rows
 
 
-def rows_with(source: Path, records: list[np.ndarray], deq: Dequantizer, compressed_layers: set[int], tick=lambda: None):
-    """Every record's hidden rows with ``compressed_layers``' linears dequantized (fp32 eager)."""
+def rows_with(source: Path, records: list[np.ndarray], deq: Dequantizer, compressed_layers: set[int], tick=lambda: None,
+              outputs: LayerOutputs | None = None):
+    """Every record's hidden rows with ``compressed_layers``' linears dequantized (fp32 eager); with
+    the uncompressed pass's ``outputs``, from the first compressed layer on (each layer alone: about
+    half the layers run, summed over the layers)."""
     from .reference import StreamedTextModel
 
     deq.layers = set(compressed_layers)
     ref = StreamedTextModel(source, weights=deq)
+    first = min(compressed_layers, default=0) if outputs is not None else 0
     out = []
-    for ids in records:
-        out.append(ref.rows(ids))
+    for r, ids in enumerate(records):
+        out.append(ref.rows(ids, start=(first, outputs.entering(first, r)) if first else None))
         tick()
     return out

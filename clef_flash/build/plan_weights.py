@@ -71,7 +71,7 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     from ..backbone.files import read_files, release_config, verify_files
     from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, Trial, WeightPlan
     from ..backbone.quantize import compressed_names, layer_of
-    from ..backbone.sensitivity import Dequantizer, layer_errors, rows_with
+    from ..backbone.sensitivity import Dequantizer, LayerOutputs, layer_errors, rows_with
     from ..backbone.weights import asset_bytes, locate
     from ..bundle import atomic_write_json
     from ..digest import sha256_file
@@ -145,61 +145,63 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     log(f"plan-weights: {scheme.weights} per block of {scheme.block}, {plural(len(compressed), 'tensor')} in "
         f"{layers} layers; {plural(len(records), 'calibration record')} ({sum(len(r) for r in records):,} tokens) "
         f"from {requests_path.name}; budget max |dp| {budget:g}")
-    t0 = time.perf_counter()
-    with progress("plan: each layer's own error", len(records), "records") as tick:
-        errors, base_rows = layer_errors(source, records, infos, scheme, compressed, scaled, tick)
-    base = probs(base_rows)
-    with_codes = sorted({layer_of(n) for n in compressed})
-    deq = Dequantizer(source, infos, scheme, compressed, scaled)
-    trials: list[Trial] = []
+    # every layer's uncompressed output, so a trial starts at its first compressed layer
+    with LayerOutputs() as outputs:
+        t0 = time.perf_counter()
+        with progress("plan: each layer's own error", len(records), "records") as tick:
+            errors, base_rows = layer_errors(source, records, infos, scheme, compressed, scaled, tick, outputs)
+        base = probs(base_rows)
+        with_codes = sorted({layer_of(n) for n in compressed})
+        deq = Dequantizer(source, infos, scheme, compressed, scaled)
+        trials: list[Trial] = []
 
-    def dp_with(squeezed: set[int], tick=lambda: None) -> tuple[float, float]:
-        if not squeezed:
-            return 0.0, 0.0
-        rows = rows_with(source, records, deq, squeezed, tick)
-        dp = np.concatenate([np.abs(a - b) for a, b in zip(probs(rows), base, strict=True)])
-        return (float(dp.max()), float(dp.mean())) if dp.size else (0.0, 0.0)
+        def dp_with(squeezed: set[int], tick=lambda: None) -> tuple[float, float]:
+            if not squeezed:
+                return 0.0, 0.0
+            rows = rows_with(source, records, deq, squeezed, tick, outputs)
+            dp = np.concatenate([np.abs(a - b) for a, b in zip(probs(rows), base, strict=True)])
+            return (float(dp.max()), float(dp.mean())) if dp.size else (0.0, 0.0)
 
-    alone = {}
-    with progress("plan: each layer alone compressed, end to end", len(with_codes) * len(records), "records") as tick:
-        for i in with_codes:
-            alone[i] = dp_with({i}, tick)[0]
-    t_layers = time.perf_counter() - t0
-    ranking = sorted(with_codes, key=lambda i: (-alone[i], -errors[i]["rel_max_abs_d"], i))
-    for i in ranking:
-        log(f"layer {i} ({text.layer_types[i]}): alone max |dp| {alone[i]:.3g}; its own output rel max |d| "
-            f"{errors[i]['rel_max_abs_d']:.3g}, rel rms {errors[i]['rel_rms_d']:.3g}")
-    t0 = time.perf_counter()
+        alone = {}
+        with progress("plan: each layer alone compressed, end to end", len(with_codes) * len(records), "records") as tick:
+            for i in with_codes:
+                alone[i] = dp_with({i}, tick)[0]
+        t_layers = time.perf_counter() - t0
+        ranking = sorted(with_codes, key=lambda i: (-alone[i], -errors[i]["rel_max_abs_d"], i))
+        for i in ranking:
+            log(f"layer {i} ({text.layer_types[i]}): alone max |dp| {alone[i]:.3g}; its own output rel max |d| "
+                f"{errors[i]['rel_max_abs_d']:.3g}, rel rms {errors[i]['rel_rms_d']:.3g}")
+        t0 = time.perf_counter()
 
-    def trial(kept: list[int], record: bool = True) -> Trial:
-        top, mean = dp_with(set(with_codes) - set(kept))
-        t = Trial(fp16_layers=sorted(kept), max_abs_dp=top, mean_abs_dp=mean, passes=top <= budget)
-        if record:
-            trials.append(t)
-        log(f"trial: fp16 layers {sorted(kept) or 'none'}: max |dp| {top:.4g}, mean {mean:.3g} -> "
-            f"{'meets' if t.passes else 'misses'} {budget:g}")
-        return t
+        def trial(kept: list[int], record: bool = True) -> Trial:
+            top, mean = dp_with(set(with_codes) - set(kept))
+            t = Trial(fp16_layers=sorted(kept), max_abs_dp=top, mean_abs_dp=mean, passes=top <= budget)
+            if record:
+                trials.append(t)
+            log(f"trial: fp16 layers {sorted(kept) or 'none'}: max |dp| {top:.4g}, mean {mean:.3g} -> "
+                f"{'meets' if t.passes else 'misses'} {budget:g}")
+            return t
 
-    # the smallest k with ranking[:k] kept fp16 that meets the budget: k = 0, then bisection
-    if trial([]).passes:
-        k = 0
-    else:
-        lo, hi = 0, len(ranking)  # lo misses; hi (every layer fp16) is the reference itself
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if trial(ranking[:mid]).passes:
-                hi = mid
-            else:
-                lo = mid
-        k = hi
-        if k == len(ranking) and not any(t.passes and len(t.fp16_layers) == k for t in trials):
-            trial(ranking[:k])
-    chosen = sorted(ranking[:k])
-    met = any(t.passes and t.fp16_layers == chosen for t in trials)
-    proof = None
-    if k >= 1:  # the proof: without its most sensitive layer the chosen set must miss the budget
-        proof = next((t for t in trials if t.fp16_layers == sorted(ranking[1:k])), None) or trial(ranking[1:k], record=False)
-    t_trials = time.perf_counter() - t0
+        # the smallest k with ranking[:k] kept fp16 that meets the budget: k = 0, then bisection
+        if trial([]).passes:
+            k = 0
+        else:
+            lo, hi = 0, len(ranking)  # lo misses; hi (every layer fp16) is the reference itself
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if trial(ranking[:mid]).passes:
+                    hi = mid
+                else:
+                    lo = mid
+            k = hi
+            if k == len(ranking) and not any(t.passes and len(t.fp16_layers) == k for t in trials):
+                trial(ranking[:k])
+        chosen = sorted(ranking[:k])
+        met = any(t.passes and t.fp16_layers == chosen for t in trials)
+        proof = None
+        if k >= 1:  # the proof: without its most sensitive layer the chosen set must miss the budget
+            proof = next((t for t in trials if t.fp16_layers == sorted(ranking[1:k])), None) or trial(ranking[1:k], record=False)
+        t_trials = time.perf_counter() - t0
     by_layer_bytes = {}
     for i in range(layers):
         mine = {n: t for n, t in infos.items() if layer_of(n) == i}
