@@ -42,12 +42,18 @@ def sweep(parent: Path) -> list[Path]:
     return gone
 
 
+def owned_folder(parent: Path | None = None, label: str = "") -> Path:
+    """A new folder of this process's own in ``parent`` (the system's temp folder by default), the
+    folders of processes that are gone swept first; the caller removes it."""
+    parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    sweep(parent)
+    return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{label + '-' if label else ''}", dir=parent))
+
+
 @contextlib.contextmanager
 def owned_tempdir(parent: Path | None = None):
     """A folder of this process's own as ``tempfile``'s default for the block; removed at its end."""
-    parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
-    sweep(parent)
-    folder = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=parent))
+    folder = owned_folder(parent)
     before = tempfile.tempdir
     tempfile.tempdir = str(folder)
     try:

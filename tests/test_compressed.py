@@ -98,6 +98,33 @@ def test_the_build_and_gate_quantizers_agree_and_keep_the_rule(bits):
     assert list(codes_n[2, :4]) == [0, 2, 2, 4]
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_planners_dequantized_weights_are_the_numpy_rules(release, monkeypatch, bits):
+    """plan-weights dequantizes with the build's torch rule in row tiles (``dequantized_release``):
+    every value must be the gate's numpy rule over the whole matrix (``quantize_np`` + ``dequantize``),
+    scaled by ``2**k`` (fp32 compute) and not, with tiles that end inside a read block."""
+    from clef_flash.backbone import weights as W
+    from clef_flash.backbone.contract import read_text_config, weight_names
+    from clef_flash.backbone.quantize import Scheme, compressed_names, dequantize, quantize_np
+    from clef_flash.backbone.sensitivity import dequantized_release
+
+    sch = Scheme(bits, 32)
+    infos = W.locate(release, weight_names(read_text_config(release)))
+    names = compressed_names({n: t.shape for n, t in infos.items()}, sch)
+    assert len(names) >= 4
+    monkeypatch.setattr(W, "TILE_VALUES", 3 * 64)  # a few rows a tile, the last one short
+    for name in names[:4]:
+        t = infos[name]
+        w = np.concatenate([W.as_f32(raw, t.dtype) for _, _, raw in W.raw_blocks(release, t, block_bytes=1000)]).reshape(t.shape)
+        for scaled in (False, True):
+            k = W.scale_exponent(float(np.abs(w).max())) if scaled else 0
+            assert not scaled or k != 0  # the scaled path is exercised
+            want = dequantize(*quantize_np(w * np.float32(2.0 ** k), sch), sch).astype(np.float32) / np.float32(2.0 ** k)
+            got = dequantized_release(release, t, sch, scaled)
+            assert got.dtype == np.float32 and got.shape == w.shape
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (name, scaled)
+
+
 def test_int4_packing_is_coreai_torchs_and_the_op_is_our_dequantize():
     """Our int4 packing equals coreai-torch's own (the bytes its converter writes), unpacking
     returns the codes, and coreai-torch's blockwise op computes our dequantize bit for bit."""

@@ -3,7 +3,7 @@ release's own weights, one layer in memory at a time (``reference.StreamedTextMo
 
 ``layer_errors``: one forward of the uncompressed reference per calibration record; at each decoder
 layer a hook runs the same layer again on the same captured inputs with its linears replaced by
-their dequantized codes (the scheme's rule, ``quantize.quantize_np``, as the build computes them),
+their dequantized codes (the scheme's rule as the build computes it, ``dequantized_release``),
 and compares the two outputs (max |d| and rms relative to the layer output's largest |value|).
 The rest of the model sees only the uncompressed outputs: each number is that layer's own error.
 
@@ -20,19 +20,45 @@ from pathlib import Path
 import numpy as np
 
 from .contract import LM
-from .quantize import dequantize, layer_of, quantize_np
-from .weights import TensorInfo, as_f32, raw_blocks, scale_exponent
+from .quantize import layer_of
+from .weights import TensorInfo, raw_blocks, scale_exponent
 
 
 def dequantized_release(folder: Path, t: TensorInfo, scheme, scaled: bool) -> np.ndarray:
     """The release tensor as the compressed asset computes with it (fp32): codes and scales of the
-    values times ``2**k`` (fp32 compute; ``k`` by the build's rule), dequantized, times ``2**-k``."""
-    w = np.concatenate([as_f32(raw, t.dtype) for _, _, raw in raw_blocks(folder, t)]).reshape(t.shape)
-    k = scale_exponent(float(np.max(np.abs(w)))) if scaled and w.size else 0
-    scale = np.float32(2.0 ** k)
-    codes, scales = quantize_np(w * scale if k else w, scheme)
-    out = dequantize(codes, scales, scheme).astype(np.float32)
-    return out / scale if k else out
+    values times ``2**k`` (fp32 compute; ``k`` by the build's rule), dequantized, times ``2**-k``.
+
+    The build's quantizer (``quantize.scales_torch`` / ``codes_torch``, held equal to the gate's
+    numpy rule by tests) over row tiles in the CPU's cache, written into the result tile by tile:
+    the numpy rule over the whole matrix was half of a plan-weights record's time at real width."""
+    import torch
+
+    from .quantize import codes_torch, scales_torch
+    from .weights import TILE_VALUES, torch_view
+
+    rows, cols = t.shape
+    src = torch.empty((rows, cols), dtype=torch_view(np.empty(0, np.uint8), t.dtype).dtype)
+    for r0, r1, raw in raw_blocks(folder, t):
+        src[r0:r1] = torch_view(raw, t.dtype).view(r1 - r0, cols)
+    k = scale_exponent(max(abs(float(src.min())), abs(float(src.max())))) if scaled and src.numel() else 0
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    step = max(1, TILE_VALUES // cols)
+    work = torch.empty(step * cols, dtype=torch.float32)
+    nb = cols // scheme.block
+    for a in range(0, rows, step):
+        b = min(rows, a + step)
+        w = out[a:b]
+        w.copy_(src[a:b])  # exact: bf16 / fp16 widened
+        if k:
+            w.mul_(2.0 ** k)  # a power of two: exact, as the build's scaling
+        scales = scales_torch(w, scheme, work)
+        codes = codes_torch(w, scales, scheme, work)
+        # fp16(code * scale): the product is exact in fp32, one rounding (quantize.dequantize)
+        deq = (codes.view(b - a, nb, scheme.block).float() * scales.float()[..., None]).half()
+        w.copy_(deq.view(b - a, cols))
+        if k:
+            w.mul_(2.0 ** -k)
+    return out.numpy()
 
 
 class Dequantizer:
@@ -57,14 +83,9 @@ class LayerOutputs:
     (``tmpdirs``)."""
 
     def __init__(self, parent: Path | None = None) -> None:
-        import os
-        import tempfile
+        from ..tmpdirs import owned_folder
 
-        from ..tmpdirs import PREFIX, sweep
-
-        parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
-        sweep(parent)
-        self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-layer-outputs-", dir=parent))
+        self.path = owned_folder(parent, "layer-outputs")
 
     def put(self, layer: int, record: int, value: np.ndarray) -> None:
         np.save(self.path / f"{layer}-{record}.npy", np.ascontiguousarray(value, dtype=np.float32))

@@ -42,11 +42,21 @@ FOLD_MAX_VALUES = 1 << 20
 # buffers a streamed tensor's blocks take in turn: a block is left intact until the one after the
 # next is asked for (``mlirb.inflate`` makes the next one while the current one is hashed and written)
 _RING = 2
-_TILE_VALUES = 1 << 18  # values the quantizer widens and works on at a time (1 MB in fp32): in the CPU's cache
+TILE_VALUES = 1 << 18  # values the quantizer widens and works on at a time (1 MB in fp32): in the CPU's cache
 _ALIGN = 64  # each tensor starts at a 64-byte offset in the scratch file
 _FP16_OVERFLOW = 65520.0  # the smallest magnitude that rounds to inf in fp16 (65504 + half a step)
 SCALE_BOUND = 64  # |k| at most: 2**-64 and 2**64 are normal fp32 numbers
 SCALE_TARGET = 14  # scaled tensors' max |x| <= 2**14: fp16's top binade (2**15) stays unused, so no rounding overflows
+
+
+def torch_view(raw: np.ndarray, dtype: str):
+    """A safetensors block's raw bytes (``dtype``: BF16, F16, F32) as the torch tensor they are, no copy
+    (numpy has no bfloat16: its bits travel as int16)."""
+    import torch
+
+    np_dtype, torch_dtype = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16),
+                             "F32": (np.float32, torch.float32)}[dtype]
+    return torch.from_numpy(raw.view(np_dtype)).view(torch_dtype)
 
 
 def _will_need(path: Path, offset: int, length: int) -> None:
@@ -315,24 +325,22 @@ class Fp16Weights:
         rule's first step (the converter writes a tensor's scales before its codes; 28.8 -> 18.4 ms
         for 16 M values).
 
-        Each block is quantized in row tiles of about ``_TILE_VALUES`` values, widened to fp32 one
+        Each block is quantized in row tiles of about ``TILE_VALUES`` values, widened to fp32 one
         tile at a time: the rule's passes then run in the CPU's cache instead of over a 64 MB fp32
         block each (measured: 28 -> 17 ms for 16 M values on one core), the same values."""
         import torch
 
         from .quantize import codes_torch, pack_int4_torch, quantize_torch, scales_torch
 
-        view = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
-        np_dtype, torch_dtype = view[t.dtype]
         cols = t.shape[1]
         nb = cols // self.scheme.block
-        step = max(1, _TILE_VALUES // cols)
+        step = max(1, TILE_VALUES // cols)
         tile = torch.empty(step * cols, dtype=torch.float32)  # the widened tile
         work = torch.empty(step * cols, dtype=torch.float32)  # the rule's temporary
         ring = []  # the codes and scales of a block, in turn (a block stays intact while the next is made)
         for i, (r0, r1, raw) in enumerate(raw_blocks(self.folder, t, block_bytes)):
             rows = r1 - r0
-            src = torch.from_numpy(raw.view(np_dtype)).view(torch_dtype).view(rows, cols)
+            src = torch_view(raw, t.dtype).view(rows, cols)
             if len(ring) < _RING:
                 ring.append((torch.empty(rows * cols, dtype=torch.int8), torch.empty(rows * nb, dtype=torch.float16)))
             codes_buf, scales_buf = ring[i % _RING]
@@ -419,12 +427,10 @@ class Fp16Weights:
         buffer (a fresh block each time spent more on page faults than on converting)."""
         import torch
 
-        view = {"BF16": (np.int16, torch.bfloat16), "F16": (np.float16, torch.float16), "F32": (np.float32, torch.float32)}
-        np_dtype, torch_dtype = view[t.dtype]
         buf = None
         for r0, r1, raw in raw_blocks(self.folder, t, block_bytes):
-            src = torch.from_numpy(raw.view(np_dtype)).view(torch_dtype)
-            if torch_dtype == torch.float32:
+            src = torch_view(raw, t.dtype)
+            if src.dtype == torch.float32:
                 yield r0, r1, src
                 continue
             if buf is None:
