@@ -774,6 +774,44 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
         inflate(small_file, tmp_path / "y.mlirb", sizes, lambda tag: [memoryview(big.numpy()).cast("B")[:-1]])
 
 
+@pytest.mark.parametrize("compute,image_rows", [("fp32", 0), ("fp16", 16)])
+def test_one_lowered_trace_is_the_two_public_passes_byte_for_byte(releases, tmp_path, monkeypatch, compute, image_rows):
+    """The export traces once with coreai-torch's decompositions (torch's private aot-dispatch export,
+    ``export_lowered``) instead of ``torch.export.export`` + ``run_decompositions``: the asset must be
+    the two passes' byte for byte, text-only and with image rows, and the one trace must be what ran."""
+    import functools
+
+    from torch.export import _trace
+
+    from clef_flash.backbone import export as E
+    from clef_flash.backbone.contract import read_text_config
+    from clef_flash.digest import sha256_file
+
+    cfg = read_text_config(releases["tiny"])
+    traced: list[bool] = []
+    plain_export = _trace._export
+
+    @functools.wraps(plain_export)  # its signature too: export_lowered checks it
+    def export(*a, **k):
+        traced.append(k.get("pre_dispatch"))
+        return plain_export(*a, **k)
+
+    monkeypatch.setattr(_trace, "_export", export)
+    digests = {}
+    for route in ("one", "two"):
+        if route == "two":
+            monkeypatch.setattr(E, "_one_pass_api", lambda: None)
+        traced.clear()
+        job = {"source": str(releases["tiny"]), "asset_dir": str(tmp_path / route / "a.aimodel"), "text_config": cfg.as_dict(),
+               "chunk": 16, "context": 128, "image_rows": image_rows, "compute": compute,
+               "description": {"author": "t", "license": "t", "description": "t"}}
+        (tmp_path / route).mkdir()
+        E.export_job(job, lambda m: None)
+        digests[route] = sha256_file(tmp_path / route / "a.aimodel" / "main.mlirb")
+        assert traced == ([False] if route == "one" else [True]), route  # torch.export.export: pre_dispatch=True
+    assert digests["one"] == digests["two"]
+
+
 def test_streamed_weights_are_the_converted_tensors_in_blocks(releases, tmp_path, monkeypatch):
     """``Fp16Weights(streamed=True)`` converts large tensors only when asked, in row blocks from two
     buffers in turn: each block stays intact while the next is converted, and the blocks are the

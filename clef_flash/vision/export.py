@@ -1,6 +1,6 @@
-"""Export of ``VisionTower``: one ``torch.export`` with a dynamic patch count (P = merge^2 * n) ->
-``run_decompositions`` -> one coreai-torch converter (the backbone's resource hooks: matrices as
-placeholders filled when ``main.mlirb`` is written) -> one static function per bucket
+"""Export of ``VisionTower``: one ``torch.export`` with a dynamic patch count (P = merge^2 * n) and
+coreai-torch's decompositions in the same trace (``backbone.export.export_lowered``) -> one
+coreai-torch converter (the backbone's resource hooks: matrices as placeholders filled when ``main.mlirb`` is written) -> one static function per bucket
 (``set_static_shape_config``, as the head's buckets) -> a streamed save (``mlirb.inflate``).
 
 The weights are shared by every function (one set of blobs), and never all in memory: the release's
@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -43,23 +42,17 @@ def trace_groups(cfg: VisionConfig, buckets: tuple[int, ...], key_block: int) ->
 def trace(module, cfg: VisionConfig, buckets: tuple[int, ...], log: Callable[[str], None] = lambda m: None):
     """The exported, decomposed program of one trace group: a dynamic patch count over its buckets
     (one bucket: static)."""
-    import torch
     from torch.export import Dim
 
-    from ..backbone.export import decompose
-    from ..head.tracing import no_stack_traces
+    from ..backbone.export import export_lowered
 
     dynamic = None
     if len(buckets) > 1:
         n = Dim("n", min=min(buckets), max=max(buckets))
         p = cfg.merge_unit * n
         dynamic = {"patches": {0: p}, "pos_index": {0: p}, "pos_weight": {0: p}, "patch_rc": {0: p}, "patch_count": None}
-    t0 = time.perf_counter()
-    with warnings.catch_warnings(), no_stack_traces():
-        warnings.simplefilter("ignore")
-        ep = torch.export.export(module, example_args(cfg, max(buckets)), dynamic_shapes=dynamic, strict=False)
-        log(f"traced {cfg.depth} blocks for {', '.join(function_name(b) for b in buckets)} in {time.perf_counter() - t0:.1f} s")
-        return decompose(ep, log)  # still without stack traces: the decomposition re-traces
+    what = f"{cfg.depth} blocks for {', '.join(function_name(b) for b in buckets)}"
+    return export_lowered(module, example_args(cfg, max(buckets)), dynamic, log, what)
 
 
 def _specialise(program, cfg: VisionConfig, buckets: tuple[int, ...]) -> None:
