@@ -777,7 +777,7 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
 @pytest.mark.parametrize("compute,image_rows", [("fp32", 0), ("fp16", 16)])
 def test_one_lowered_trace_is_the_two_public_passes_byte_for_byte(releases, tmp_path, monkeypatch, compute, image_rows):
     """The export traces once with coreai-torch's decompositions (torch's private aot-dispatch export,
-    ``export_lowered``) instead of ``torch.export.export`` + ``run_decompositions``: the asset must be
+    ``head.tracing.export_aten``) instead of ``torch.export.export`` + ``run_decompositions``: the asset must be
     the two passes' byte for byte, text-only and with image rows, and the one trace must be what ran."""
     import functools
 
@@ -786,6 +786,7 @@ def test_one_lowered_trace_is_the_two_public_passes_byte_for_byte(releases, tmp_
     from clef_flash.backbone import export as E
     from clef_flash.backbone.contract import read_text_config
     from clef_flash.digest import sha256_file
+    from clef_flash.head import tracing
 
     cfg = read_text_config(releases["tiny"])
     traced: list[bool] = []
@@ -800,7 +801,7 @@ def test_one_lowered_trace_is_the_two_public_passes_byte_for_byte(releases, tmp_
     digests = {}
     for route in ("one", "two"):
         if route == "two":
-            monkeypatch.setattr(E, "_one_pass_api", lambda: None)
+            monkeypatch.setattr(tracing, "_one_pass_api", lambda: None)
         traced.clear()
         job = {"source": str(releases["tiny"]), "asset_dir": str(tmp_path / route / "a.aimodel"), "text_config": cfg.as_dict(),
                "chunk": 16, "context": 128, "image_rows": image_rows, "compute": compute,

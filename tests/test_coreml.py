@@ -250,6 +250,42 @@ def test_second_build_is_byte_identical(tmp_path, tiny_package, tiny_source):
     assert ours == theirs and any(k.endswith("weight.bin") for k in ours)
 
 
+def test_one_aten_trace_is_the_two_public_passes_file_for_file(tmp_path, tiny_package, tiny_source, monkeypatch):
+    """Each bucket is traced to the ATen dialect once (``head.tracing.export_aten``, torch's private
+    aot-dispatch export) instead of ``torch.export.export`` + ``run_decompositions({})``: the package
+    the worker's job writes through the two public passes must be the build's, the weights and the
+    manifest byte for byte, the program op for op (the converter's name counters aside: the two
+    passes' graph holds torch.export's metadata checks, which take numbers and convert to nothing)."""
+    import re
+
+    from coremltools.proto import Model_pb2
+
+    from clef_flash.build.head import export_job
+    from clef_flash.digest import tree_files
+    from clef_flash.head import tracing
+    from clef_flash.recipe import load_recipe
+
+    asked: list[int] = []
+    monkeypatch.setattr(tracing, "_one_pass_api", lambda: asked.append(1))  # None: the two public passes
+    recipe = load_recipe(RECIPE)
+    asset = tmp_path / _asset(tiny_package).name
+    export_job({"source": str(tiny_source), "pins": str(tiny_source / "pins.json"), "recipe": recipe.model_dump(mode="json"),
+                "asset_dir": str(asset)}, lambda m: None)
+    assert len(asked) == len(recipe.buckets)  # every bucket's trace went the other way
+    ours, theirs = tree_files(_asset(tiny_package)), tree_files(asset)
+    program = "Data/com.apple.CoreML/model.mlmodel"
+    assert ours.keys() == theirs.keys() and any(k.endswith("weight.bin") for k in ours)
+    assert {k: v for k, v in ours.items() if k != program} == {k: v for k, v in theirs.items() if k != program}
+
+    def ops(bundle_asset: Path) -> list[str]:
+        spec = Model_pb2.Model()
+        spec.ParseFromString((bundle_asset / program).read_bytes())
+        return re.sub(r"_\d+(?=_fp16\b|_fp32\b|_int32\b|\b)", "_N", str(spec)).splitlines()
+
+    mine, two = ops(_asset(tiny_package)), ops(asset)
+    assert len(mine) > 10_000 and mine == two
+
+
 def test_missing_model_file_is_an_integrity_error(package_copy):
     (_asset(package_copy) / mlpackage.MODEL_FILE).unlink()
     with pytest.raises(IntegrityError, match="model.mlmodel: missing"):

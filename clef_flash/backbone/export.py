@@ -1,7 +1,7 @@
 """Export of ``DecoderChunk``: ``torch.export`` (input_ids, a dynamic-length position_ids, the four
 states as inputs updated in place) with coreai-torch's decompositions in the same trace (conv1d,
-index_copy, softplus … are not lowered otherwise) -> one coreai-torch converter, the states named -> ``to_coreai`` -> debug
-locations stripped -> a streamed save (``aimodel.save`` with ``mlirb.inflate``).
+index_copy, softplus … are not lowered otherwise) -> one coreai-torch converter, the states named
+-> ``to_coreai`` -> debug locations stripped -> a streamed save (``aimodel.save`` with ``mlirb.inflate``).
 
 Memory and disk: the weights are never all in memory, and their fp16 bytes are written once. The
 graph is traced over views of a sparse scratch file (``weights``, streamed): nothing reads the
@@ -19,7 +19,6 @@ import contextlib
 import os
 import struct
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -57,75 +56,15 @@ def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str
 
 
 def export_lowered(module, args: tuple, dynamic_shapes, log: Callable[[str], None] = lambda m: None, what: str = "the graph"):
-    """``module`` exported in the ops coreai-torch lowers (its decomposition table applied), one trace.
-
-    ``torch.export.export`` then ``run_decompositions`` traces the program twice, and the second trace
-    was the slower (9B: 12.5 + 23.8 s). torch's own export at aot dispatch takes the table in its one
-    trace: the same ops in the same order, less torch.export's ``_assert_tensor_metadata`` checks
-    (tests hold the two routes' assets byte for byte). Private torch API, pinned with torch 2.13.0;
-    where it is missing the two public passes run instead."""
-    import functools
-
+    """``module`` exported in the ops coreai-torch lowers (its decomposition table applied in the
+    trace: ``head.tracing.export_aten``)."""
     from ..formats.aimodel import import_toolchain
-    from ..head.tracing import no_stack_traces
+    from ..head.tracing import export_aten
 
     t0 = time.perf_counter()
-    with warnings.catch_warnings(), no_stack_traces():  # the decomposition traces too: no stack traces
-        warnings.simplefilter("ignore")
-        parts = _one_pass_api()
-        if parts is None:
-            import torch
-
-            ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
-            log(f"traced {what} in {time.perf_counter() - t0:.1f} s")
-            release_freed_memory()
-            return decompose(ep, log)
-        trace_mod, split, override = parts
-        cia, python_table = split(dict(import_toolchain().get_decomp_table()))
-        plain = trace_mod._export_to_aten_ir  # noqa: SLF001
-        trace_mod._export_to_aten_ir = functools.partial(plain, decomp_table=python_table)  # noqa: SLF001
-        try:
-            with override(cia):
-                ep = trace_mod._export(module, args, dynamic_shapes=dynamic_shapes, strict=False, pre_dispatch=False)  # noqa: SLF001
-        finally:
-            trace_mod._export_to_aten_ir = plain  # noqa: SLF001
-    ep.example_inputs = None  # nothing reads them again
+    ep = export_aten(module, args, dynamic_shapes, import_toolchain().get_decomp_table())
     release_freed_memory()
     log(f"traced {what} and decomposed in {time.perf_counter() - t0:.1f} s")
-    return ep
-
-
-def _one_pass_api():
-    """(torch.export._trace, the table's split, the CompositeImplicitAutograd override) where this
-    torch has them as 2.13.0 does; None otherwise."""
-    import inspect
-
-    try:
-        from torch.export import _trace
-        from torch.export.exported_program import _override_composite_implicit_decomp, _split_decomp_table_to_cia_and_python_decomp
-    except ImportError:
-        return None
-    if not callable(getattr(_trace, "_export", None)) or "pre_dispatch" not in inspect.signature(_trace._export).parameters:  # noqa: SLF001
-        return None
-    if "decomp_table" not in inspect.signature(_trace._export_to_aten_ir).parameters:  # noqa: SLF001
-        return None
-    return _trace, _split_decomp_table_to_cia_and_python_decomp, _override_composite_implicit_decomp
-
-
-def decompose(ep, log: Callable[[str], None] = lambda m: None):
-    """``run_decompositions`` with coreai-torch's table (conv, softplus, index_copy … lowered), the
-    example inputs dropped (nothing reads them again): the second of the two public passes."""
-    import gc
-
-    from ..formats.aimodel import import_toolchain
-
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ep = ep.run_decompositions(import_toolchain().get_decomp_table())
-    ep.example_inputs = None
-    gc.collect()
-    log(f"decomposed in {time.perf_counter() - t0:.1f} s")
     return ep
 
 

@@ -420,11 +420,10 @@ def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int,
     # op names come from counters that only a finished conversion clears; a program built before
     # in this process (a test, a tool) would otherwise shift every name of this one
     _reset_conversion_state()
-    ep = export_graph(graph, (bucket,), hidden_size, q_pad, o_pad)
+    # coremltools takes the ATen dialect; the graph is in core ATen already: nothing to decompose
+    ep = export_graph(graph, (bucket,), hidden_size, q_pad, o_pad, decompositions={})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # coremltools takes the ATen dialect; the graph is in core ATen already: nothing to decompose
-        ep = ep.run_decompositions({})
         pipeline = _pipeline(ct, weights)
         prog = ct.convert(
             ep,
