@@ -110,6 +110,12 @@ def quantize_torch(w, scheme: Scheme, work=None, codes_out=None):
     return codes_torch(w, scales, scheme, work, codes_out), scales
 
 
+def dequantize_torch(codes, scales, scheme: Scheme):
+    """``dequantize`` in torch: ``fp16(code * scale)`` per block (the product exact in fp32, one rounding)."""
+    r, cols = codes.shape
+    return (codes.view(r, cols // scheme.block, scheme.block).float() * scales.float()[..., None]).half().view(r, cols)
+
+
 def pack_int4_torch(codes):
     """int8 values in [-8, 7] -> packed bytes (uint8), the even element in the low nibble."""
     import torch

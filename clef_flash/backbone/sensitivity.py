@@ -33,29 +33,28 @@ def dequantized_release(folder: Path, t: TensorInfo, scheme, scaled: bool) -> np
     the numpy rule over the whole matrix was half of a plan-weights record's time at real width."""
     import torch
 
-    from .quantize import codes_torch, scales_torch
+    from .quantize import codes_torch, dequantize_torch, scales_torch
     from .weights import TILE_VALUES, torch_view
 
     rows, cols = t.shape
-    src = torch.empty((rows, cols), dtype=torch_view(np.empty(0, np.uint8), t.dtype).dtype)
+    src = None  # the whole tensor as stored (bf16 / fp16 / fp32)
     for r0, r1, raw in raw_blocks(folder, t):
-        src[r0:r1] = torch_view(raw, t.dtype).view(r1 - r0, cols)
-    k = scale_exponent(max(abs(float(src.min())), abs(float(src.max())))) if scaled and src.numel() else 0
+        block = torch_view(raw, t.dtype).view(r1 - r0, cols)
+        src = torch.empty((rows, cols), dtype=block.dtype) if src is None else src
+        src[r0:r1] = block
+    if src is None:  # no rows
+        return np.zeros(t.shape, np.float32)
+    k = scale_exponent(max(abs(float(src.min())), abs(float(src.max())))) if scaled else 0
     out = torch.empty((rows, cols), dtype=torch.float32)
     step = max(1, TILE_VALUES // cols)
     work = torch.empty(step * cols, dtype=torch.float32)
-    nb = cols // scheme.block
     for a in range(0, rows, step):
-        b = min(rows, a + step)
-        w = out[a:b]
-        w.copy_(src[a:b])  # exact: bf16 / fp16 widened
+        w = out[a:a + step]
+        w.copy_(src[a:a + step])  # exact: bf16 / fp16 widened
         if k:
             w.mul_(2.0 ** k)  # a power of two: exact, as the build's scaling
         scales = scales_torch(w, scheme, work)
-        codes = codes_torch(w, scales, scheme, work)
-        # fp16(code * scale): the product is exact in fp32, one rounding (quantize.dequantize)
-        deq = (codes.view(b - a, nb, scheme.block).float() * scales.float()[..., None]).half()
-        w.copy_(deq.view(b - a, cols))
+        w.copy_(dequantize_torch(codes_torch(w, scales, scheme, work), scales, scheme))
         if k:
             w.mul_(2.0 ** -k)
     return out.numpy()

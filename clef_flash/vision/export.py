@@ -1,7 +1,8 @@
 """Export of ``VisionTower``: one ``torch.export`` with a dynamic patch count (P = merge^2 * n) and
 coreai-torch's decompositions in the same trace (``backbone.export.export_lowered``) -> one
-coreai-torch converter (the backbone's resource hooks: matrices as placeholders filled when ``main.mlirb`` is written) -> one static function per bucket
-(``set_static_shape_config``, as the head's buckets) -> a streamed save (``mlirb.inflate``).
+coreai-torch converter (the backbone's resource hooks: matrices as placeholders filled when
+``main.mlirb`` is written) -> one static function per bucket (``set_static_shape_config``, as
+the head's buckets) -> a streamed save (``mlirb.inflate``).
 
 The weights are shared by every function (one set of blobs), and never all in memory: the release's
 bf16 matrices are converted to fp16 straight into ``main.mlirb`` (``backbone.weights``).
