@@ -54,7 +54,11 @@ def built(releases, tmp_path_factory) -> dict[str, Path]:
                                   "--out", str(tmp / key), "--json"])
         assert res.exit_code == 0, res.output
         out[key] = tmp / key / json.loads(res.stdout)["name"]
+        BUILD_LOGS[key] = res.output
     return out
+
+
+BUILD_LOGS: dict[str, str] = {}  # the ``built`` fixture's output (progress included), by key
 
 
 # ---------------------------------------------------------------- graph and host, no Core AI
@@ -198,12 +202,13 @@ def test_streamed_save_writes_what_save_asset_writes(tmp_path):
 
     # the rename pass reads the file once: each blob's name and the renamed file's sha256 from it
     from clef_flash.digest import sha256_file
-    from clef_flash.formats.mlirb import resource_names, stable_resource_names
+    from clef_flash.formats.mlirb import digests, resource_names, stable_resource_names
 
     before = resource_names(b / "main.mlirb")
-    count, digest = stable_resource_names(b / "main.mlirb")
-    assert count == len(before) >= 1 and resource_names(b / "main.mlirb") != before
-    assert digest == sha256_file(b / "main.mlirb")
+    written = stable_resource_names(b / "main.mlirb")
+    assert written.renamed == len(before) >= 1 and resource_names(b / "main.mlirb") != before
+    assert written.sha256 == sha256_file(b / "main.mlirb")
+    assert list(written.blobs) == [h for _, h in digests(b / "main.mlirb")[1]]  # each resource's, in file order
     assert all(n.startswith("w_") for n in resource_names(b / "main.mlirb"))
 
 
@@ -368,6 +373,50 @@ def test_every_weight_in_the_asset_is_the_releases_and_a_changed_value_is_named(
     assert r.missing == [t.name]
 
 
+def test_the_builds_gate_reads_main_mlirb_with_one_hash_and_the_saves_digests(built, releases, tmp_path, monkeypatch):
+    """In a build, the gate takes each blob's digest from what the save hashed as it wrote
+    (``mlirb.Written``) and hashes main.mlirb once, for the file: the same report as hashing every
+    blob again; a byte changed after the save fails, named; and the digests are the ones matched."""
+    import shutil
+
+    from clef_flash.backbone import asset_weights as aw
+    from clef_flash.errors import IntegrityError
+    from clef_flash.formats.mlirb import Written, blobs, stable_resource_names
+
+    assert "the file hashed once" in BUILD_LOGS["tiny32"]  # the build passed its save's digests
+    infos = _infos(releases["tiny"])
+    copy = tmp_path / "main.mlirb"
+    shutil.copy2(next(built["tiny32"].glob("*.aimodel")) / "main.mlirb", copy)
+    before = copy.read_bytes()
+    written = stable_resource_names(copy)  # what a writer hashes (the names are stable already: same bytes)
+    assert copy.read_bytes() == before
+    full = aw.compare(copy, releases["tiny"], infos, scaled=True)
+    calls = []
+    real = aw.digests
+    monkeypatch.setattr(aw, "digests", lambda path, each_blob=True: calls.append(each_blob) or real(path, each_blob))
+    once = aw.compare(copy, releases["tiny"], infos, scaled=True, written=Written.from_json(written.as_json()))
+    assert calls == [False] and once.ok and full.ok
+    assert (once.matched, once.found, once.file_sha256, once.blobs) == (full.matched, full.found, full.file_sha256, full.blobs)
+
+    # the save's digests are what the blobs are matched by: the largest one's wrong, its tensor is not found
+    a = max(range(len(written.blobs)), key=lambda i: blobs(copy)[i].size)
+    wrong = list(written.blobs)
+    wrong[a] = "0" * 64
+    r = aw.compare(copy, releases["tiny"], infos, scaled=True, written=Written(written.renamed, written.sha256, tuple(wrong)))
+    assert not r.ok and len(r.missing) == 1
+
+    # one byte of the largest blob changed after the save: the file is not what the save hashed
+    big = blobs(copy)[a]
+    data = bytearray(before)
+    data[big.start + big.size // 2] ^= 0x40
+    copy.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=f"{copy}: not the bytes the build's save wrote"):
+        aw.compare(copy, releases["tiny"], infos, scaled=True, written=written)
+    copy.write_bytes(before[:-1])  # and one short
+    with pytest.raises(IntegrityError, match="main.mlirb"):
+        aw.compare(copy, releases["tiny"], infos, scaled=True, written=written)
+
+
 def test_bytecode_descriptor_is_the_runtimes(built, tmp_path):
     """The descriptor read from the bytecode (any size: no compiled copy, a skeleton of main.mlirb
     with every blob's data left out) says what the runtime says."""
@@ -432,11 +481,12 @@ def test_one_read_gives_the_files_and_every_blobs_sha256(built, tmp_path, monkey
     found = fmt.blobs(path)
     with open(path, "rb") as fh:
         want = [(b, fmt.blob_sha256(fh, b)) for b in found]
-    for chunk in (1 << 20, 1000, 7):  # reads of 8x this: whole blobs, and blobs across reads
-        monkeypatch.setattr(fmt, "_CHUNK", chunk)
+    for chunk in (1 << 20, 1000, 256, 7):  # reads of 16x this: whole blobs, and blobs across reads
+        monkeypatch.setattr(fmt, "_CHUNK", chunk)  # 256: 4 KB reads, O_DIRECT where the disk takes it
         whole, got = fmt.digests(path)
         assert whole == hashlib.sha256(path.read_bytes()).hexdigest() and got == want
-    assert max(b.size for b in found) > 8 * 1000 > min(b.size for b in found)
+        assert fmt.digests(path, each_blob=False) == (whole, [(b, None) for b in found])
+    assert max(b.size for b in found) > 16 * 1000 > min(b.size for b in found)
     cut = tmp_path / "main.mlirb"
     big = max(found, key=lambda b: b.size)
     cut.write_bytes(path.read_bytes()[: big.start + big.size - 1])
@@ -551,7 +601,11 @@ def whole_model(releases, tmp_path_factory) -> dict[str, Path]:
                                   str(releases[key]), "--out", str(tmp / key), "--no-verify", "--json"])
         assert res.exit_code == 0, res.output
         out[key] = tmp / key / json.loads(res.stdout)["name"]
+        BUILD_LOGS[key] = res.output
     return out
+
+
+BUILD_LOGS: dict[str, str] = {}  # the ``built`` fixture's output (progress included), by key
 
 
 @pytest.mark.parametrize("variant", ["tiny", "other"])
@@ -723,7 +777,7 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
     from clef_flash.formats.aimodel import deterministic_naming, save, save_streamed
     from clef_flash.backbone.export import constants_from_buffers
     from clef_flash.digest import sha256_file
-    from clef_flash.formats.mlirb import BytecodeError, inflate
+    from clef_flash.formats.mlirb import BytecodeError, digests, inflate
 
     gen = torch.Generator().manual_seed(0)
     big, big2 = ((0.02 * torch.randn(512, 1024, generator=gen)).half() for _ in range(2))
@@ -759,10 +813,12 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
         yield data[1000:]
 
     sizes = {tag: n for tag, (_, n) in made.streamed.items()}
-    save(prog, tmp_path / "streamed.aimodel", desc, fill=(sizes, supply))
+    written = save(prog, tmp_path / "streamed.aimodel", desc, fill=(sizes, supply))
     want = sha256_file(tmp_path / "own.aimodel" / "main.mlirb")
     assert sha256_file(tmp_path / "buffers.aimodel" / "main.mlirb") == want
     assert sha256_file(tmp_path / "streamed.aimodel" / "main.mlirb") == want
+    # what the inflating save hashed as it wrote is the file's (the build's gate relies on it)
+    assert written.sha256 == want and list(written.blobs) == [h for _, h in digests(tmp_path / "streamed.aimodel" / "main.mlirb")[1]]
     assert (tmp_path / "streamed.aimodel" / "main.hash").read_bytes().hex() == want
     assert not (tmp_path / "streamed.aimodel" / "main.mlirb.part").exists()
     # a placeholder the file does not hold, and a supply one byte short, are errors

@@ -10,7 +10,9 @@ fp32 cast of a small fp16 constant into an fp32 blob). The asset side: every blo
 whose bytes are in no blob is a failure naming it. The asset side (one sequential read of
 ``main.mlirb``, ``mlirb.digests``) runs in a thread, the release side (``ReleaseSide``) in two
 more, a tensor each (hashlib and numpy release the GIL on large buffers): both cores work, and
-the release and the asset are read at once. A build starts the release side beside its export.
+the release and the asset are read at once. A build starts the release side beside its export,
+and gives the digests its save took of what it wrote: the asset side then hashes each byte once,
+for the file's sha256, which proves those digests are the file's (``blob_digests``).
 
 A compressed tensor (int8 / int4 recipes) is quantized here again by the gate's own numpy rule
 (``quantize.quantize_np``, not the build's torch path) and its codes (packed for int4) and its
@@ -32,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IntegrityError
-from ..formats.mlirb import Blob, BytecodeError, digests
+from ..formats.mlirb import Blob, BytecodeError, Written, digests
 from .weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
 from ..progress import plural
 
@@ -246,19 +248,32 @@ def _lower_priority() -> None:
             pass
 
 
-def blob_digests(mlirb: Path) -> tuple[str, list[tuple[Blob, str]]]:
-    """The sha256 of ``mlirb`` and of every blob in it, in one read (``mlirb.digests``)."""
+def blob_digests(mlirb: Path, written: Written | None = None) -> tuple[str, list[tuple[Blob, str]]]:
+    """The sha256 of ``mlirb`` and of every blob in it, in one read (``mlirb.digests``).
+
+    ``written``: what the build's save hashed of the bytes it wrote (``mlirb.Written``). Then each
+    byte is hashed once here, for the file: its sha256 equal to the save's proves the file on disk
+    is the stream the save hashed, so the save's digests are the blobs'. A file that is not (a byte
+    changed after the save, a short write) fails here, named."""
     try:
-        return digests(mlirb)
+        whole, found = digests(mlirb, each_blob=written is None)
     except BytecodeError as exc:
         raise IntegrityError(f"{mlirb}: not readable MLIR bytecode ({exc})") from None
+    if written is None:
+        return whole, found  # type: ignore[return-value]
+    if whole != written.sha256 or len(found) != len(written.blobs):
+        raise IntegrityError(f"{mlirb}: not the bytes the build's save wrote (sha256 {whole[:16]}, "
+                             f"the save's {written.sha256[:16]})")
+    return whole, [(b, d) for (b, _), d in zip(found, written.blobs)]
 
 
 def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: bool,
-            log=lambda msg: None, scheme=None, compressed=(), release: ReleaseSide | None = None) -> WeightsReport:
+            log=lambda msg: None, scheme=None, compressed=(), release: ReleaseSide | None = None,
+            written: Written | None = None) -> WeightsReport:
     """The release's 2-D+ tensors against the blobs of ``mlirb`` (both hashed at once); the
     ``compressed`` ones as ``scheme``'s codes and scales. ``release``: its side already started
-    (the build's, beside the export), for this release, recipe and scheme."""
+    (the build's, beside the export), for this release, recipe and scheme. ``written``: the
+    build's save's digests (``blob_digests``: the file then hashed once, not twice)."""
     t0 = time.perf_counter()
     if release is not None and (release.folder, release.scaled, release.scheme, release.compressed) != (
             Path(folder), scaled, scheme, set(compressed)):  # started for another release or recipe: not used
@@ -266,14 +281,20 @@ def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: boo
         release = None
     release = release or ReleaseSide(folder, infos, scaled, scheme, compressed)
     big = release.big
+    def timed(*args):
+        t = time.perf_counter()
+        out = blob_digests(*args)
+        return out, time.perf_counter() - t
+
     with ThreadPoolExecutor(max_workers=1) as pool:
-        asset_side = pool.submit(blob_digests, Path(mlirb))
+        asset_side = pool.submit(timed, Path(mlirb), written)
         try:
             wants = release.result(threads=2)  # numpy and hashlib release the GIL: both cores
         except BaseException:
             release.stop()
             raise
-        file_sha256, have = asset_side.result()
+        t_release = time.perf_counter() - t0
+        (file_sha256, have), t_asset = asset_side.result()
     by_digest: dict[str, Blob] = {}
     for b, d in have:
         by_digest.setdefault(d, b)
@@ -300,7 +321,10 @@ def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: boo
                            other_blobs=len(other), other_bytes=sum(b.size for b in other),
                            fp16_bytes=sum(int(np.prod(t.shape)) * 2 for t in big), seconds=time.perf_counter() - t0,
                            found=found, scheme=scheme, file_sha256=file_sha256)
-    log(f"weights: {len(matched)}/{plural(len(big), 'tensor')} found in main.mlirb in {report.seconds:.1f} s")
+    # where the time went: main.mlirb's read (disk-bound once hashed once) or the release's side
+    log(f"weights: {len(matched)}/{plural(len(big), 'tensor')} found in main.mlirb in {report.seconds:.1f} s "
+        f"(main.mlirb read in {t_asset:.1f} s" + (", its blobs by the save's digests, the file hashed once" if written is not None else "")
+        + f"; the release's side ready after {t_release:.1f} s)")
     return report
 
 

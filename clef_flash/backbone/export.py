@@ -256,7 +256,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
         fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(*_part(made.streamed[tag][0])),
                 lambda tag: weights.prefetch(_part(made.streamed[tag][0])[0]))
     try:
-        save(program, asset_dir, job["description"], log, fill=fill)
+        written = save(program, asset_dir, job["description"], log, fill=fill)
     except MissingPlaceholders as exc:  # name the tensors, not the placeholders
         lost = sorted(made.streamed[k][0] for k in exc.keys)
         raise ToolchainError(f"{asset_dir}: the compiler folded or inlined {lost[0]}" + (f" (+{len(lost) - 1} more)" if len(lost) > 1 else "")
@@ -265,4 +265,5 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     fp16_bytes = weights.fp16_bytes
     weights.close()
     return {"weights": t_weights, "trace": t_trace, "convert": t_convert, "save": t_save,
-            "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k)}
+            "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k),
+            "written": written.as_json()}  # the gate's proof of main.mlirb's blobs by one hash of the file

@@ -17,6 +17,7 @@ from ..bundle import atomic_write_bytes, atomic_write_json, check_free_space, ch
 from ..digest import sha256_file, tree_bytes, tree_files
 from ..errors import IntegrityError, NumericError, UsageError
 from ..formats import aimodel  # a backbone is a Core AI asset: the format's own names
+from ..formats.mlirb import Written
 from ..layout import MANIFEST_FILE
 from ..manifest import Compilation, FileDigest, LocalOrigin
 from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
@@ -266,6 +267,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
         p.extra["release_side"] = side
     try:
         timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
+        p.extra["written"] = Written.from_json(timings["written"])
         return _finish(p, tmp, asset_dir, timings)
     except BaseException:
         if side is not None:
@@ -334,7 +336,8 @@ def gate(p: Plan, tmp: Path, log=lambda m: None):
                                                     seed=recipe.verify.seed, long_record=recipe.long_record,
                                                     numeric_max_parameters=recipe.verify.numeric_max_parameters,
                                                     scratch=tmp, pins=p.pins, checked=p.files, text=p.extra["text"],
-                                                    located=p.extra["infos"], release_side=side), log=log)
+                                                    located=p.extra["infos"], release_side=side,
+                                                    written=p.extra.get("written")), log=log)
     finally:
         if side is not None:
             side.stop()  # done already, or the gate failed before it compared the weights

@@ -254,14 +254,17 @@ def save_streamed(program, asset_dir: Path, metadata, write_hash: bool = True):
 
 
 def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None,
-         fill=None) -> None:
+         fill=None):
     """``save_asset``, then the same bytes from the same content on any machine: weight blobs named
     after their bytes (the compiler keys them by a per-process hash), ``main.hash`` to match, the
     asset's metadata in a fixed key order with ``SOURCE_DATE_EPOCH`` as its creation date.
 
     ``fill``: ``(sizes, supply)`` or ``(sizes, supply, upcoming)`` for resources the program declares
     empty (``mlirb.inflate``): the bytecode is written small and ``main.mlirb`` rewritten once with
-    their data, named as above."""
+    their data, named as above.
+
+    Returns what was hashed on the way (``mlirb.Written``: the file's sha256 and every resource's),
+    for a gate that proves the file on disk is those bytes by one more hash of the file."""
     from coreai.runtime import AIModelAssetMetadata
 
     from ..bundle import atomic_write_bytes, dumps_json
@@ -279,18 +282,19 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
     t0 = time.perf_counter()
     if fill is None:
         # one read of main.mlirb: every blob's sha256 (its new name) and the renamed file's (main.hash)
-        renamed, digest = stable_resource_names(asset_dir / MLIRB)
+        written = stable_resource_names(asset_dir / MLIRB)
     else:
         part = asset_dir / (MLIRB + ".part")
         sizes, supply, *upcoming = fill
-        renamed, digest = inflate(asset_dir / MLIRB, part, sizes, supply, upcoming=upcoming[0] if upcoming else None)
+        written = inflate(asset_dir / MLIRB, part, sizes, supply, upcoming=upcoming[0] if upcoming else None)
         os.replace(part, asset_dir / MLIRB)
-    log(f"{renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s"
+    log(f"{written.renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s"
         + (f", {len(fill[0])} of them converted into place" if fill else ""))
-    atomic_write_bytes(asset_dir / HASH, bytes.fromhex(digest))
+    atomic_write_bytes(asset_dir / HASH, bytes.fromhex(written.sha256))
     # the runtime writes its keys in hash-map order; the same content in a fixed order
     meta_path = asset_dir / "metadata.json"
     atomic_write_bytes(meta_path, dumps_json(json.loads(meta_path.read_text(encoding="utf-8")), sort_keys=True))
+    return written
 
 
 # ---------------------------------------------------------------- read back, run, describe

@@ -179,6 +179,23 @@ class Blob:
     size: int
 
 
+@dataclass(frozen=True)
+class Written:
+    """What a writer of bytecode hashed of the bytes it wrote (``inflate``, ``stable_resource_names``):
+    the file's sha256 and each resource's data's, in the resource section's order (``blobs``)."""
+
+    renamed: int
+    sha256: str
+    blobs: tuple[str, ...]
+
+    def as_json(self) -> dict:
+        return {"renamed": self.renamed, "sha256": self.sha256, "blobs": list(self.blobs)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Written":
+        return cls(int(d["renamed"]), str(d["sha256"]), tuple(d["blobs"]))
+
+
 def _blob_span(fh, start: int, size: int, kind: int) -> tuple[int, int]:
     """(data offset, data size) of a resource entry: a blob's alignment and size prefix excluded."""
     fh.seek(start)
@@ -210,12 +227,68 @@ def blob_sha256(fh, blob: Blob) -> str:
     return h.hexdigest()
 
 
-def digests(path: Path) -> tuple[str, list[tuple[Blob, str]]]:
+_READS_IN_FLIGHT = 4  # a virtual disk serves four outstanding reads about twice as fast as one (measured)
+
+
+def _blocks(path: Path, size: int, block: int, depth: int, reuse):
+    """The first ``size`` bytes of ``path`` in order, as ``(slot, view)`` of ``block`` bytes each:
+    ``depth`` reads in flight in threads (``os.preadv`` into a ring of ``depth + 1`` page-aligned
+    buffers), with ``O_DIRECT`` where the file system takes it (a file just written with
+    ``O_DIRECT`` is not in the page cache; nothing is copied through it). Measured on a 15.9 GB
+    ``main.mlirb`` just written: 14.9-15.1 s with four 16 MB reads in flight, 27.6-33.5 s with one
+    buffered 8 MB read at a time. ``reuse(slot)`` is called before a slot is read into again and
+    returns once that slot's last view is no longer in use."""
+    import errno
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    slots = depth + 1
+    bufs = [mmap.mmap(-1, block) for _ in range(slots)]  # anonymous: page-aligned, as O_DIRECT needs
+    direct = getattr(os, "O_DIRECT", 0) if block % 4096 == 0 else 0
+    try:
+        fd = os.open(path, os.O_RDONLY | direct)
+    except OSError:  # e.g. a tmpfs
+        fd, direct = os.open(path, os.O_RDONLY), 0
+    if direct and size:
+        try:
+            os.preadv(fd, [bufs[0]], 0)
+        except OSError as exc:  # a file system that opens with O_DIRECT and refuses the read
+            if exc.errno != errno.EINVAL:
+                os.close(fd)
+                raise
+            os.close(fd)
+            fd = os.open(path, os.O_RDONLY)
+
+    def read(i: int) -> int:
+        want = min(block, size - i * block)
+        got = os.preadv(fd, [bufs[i % slots]], i * block)
+        if got < want:
+            raise BytecodeError(f"{path} ended at byte {i * block + got} of {size}")
+        return want
+
+    n = -(-size // block)
+    try:
+        with ThreadPoolExecutor(depth) as pool:
+            reads, ahead = {}, 0
+            for i in range(n):
+                while ahead < n and ahead < i + depth:
+                    reuse(ahead % slots)
+                    reads[ahead] = pool.submit(read, ahead)
+                    ahead += 1
+                got = reads.pop(i).result()
+                yield i % slots, memoryview(bufs[i % slots])[:got]
+    finally:
+        os.close(fd)
+
+
+def digests(path: Path, each_blob: bool = True) -> tuple[str, list[tuple[Blob, str | None]]]:
     """The sha256 of the whole file and of each blob's data, in one sequential read: a 16 GB
     backbone's gate read it twice before (the file's hash, then every blob where it lies). The file
-    is read into a ring of reused buffers; the file's hash and the blobs' run in two threads of
-    their own (hashlib releases the GIL), each in file order, beside the next read."""
-    from concurrent.futures import ThreadPoolExecutor
+    is read by ``_blocks`` (several reads in flight); the file's hash and the blobs' run in two
+    threads of their own (hashlib releases the GIL), each in file order, beside the next reads.
+    ``each_blob=False``: the file's hash only (each blob's digest ``None``), one hash of each byte."""
+    from concurrent.futures import ThreadPoolExecutor, wait
+    from contextlib import closing
 
     path = Path(path)
     found = blobs(path)
@@ -223,44 +296,42 @@ def digests(path: Path) -> tuple[str, list[tuple[Blob, str]]]:
     for b in found:
         if b.start + b.size > size:
             raise BytecodeError(f"blob {b.name} at byte {b.start} is truncated")
-    order = sorted(range(len(found)), key=lambda i: found[i].start)
+    order = sorted(range(len(found)), key=lambda i: found[i].start) if each_blob else []
     hashes = [hashlib.sha256() for _ in found]
     whole = hashlib.sha256()
-    ring = [bytearray(_CHUNK * 8) for _ in range(3)]
-    pending: list[tuple] = [(), (), ()]
+    pending: dict[int, tuple] = {}  # slot -> the hashes of its last view
 
     def parts(view: memoryview, pieces: list[tuple[int, int, int]]) -> None:
         for i, lo, hi in pieces:
             hashes[i].update(view[lo:hi])
 
+    def reuse(slot: int) -> None:  # a buffer is read into again once both hashes of its last view are done
+        for f in pending.pop(slot, ()):
+            f.result()
+
     live: list[int] = []  # blobs begun and not yet ended, at the current read
-    j, at, n = 0, 0, 0
-    with open(path, "rb", buffering=0) as fh, ThreadPoolExecutor(1) as file_side, ThreadPoolExecutor(1) as blob_side:
-        while at < size:
-            k = n % len(ring)
-            for f in pending[k]:  # the buffer is reused once both hashes of its last read are done
-                f.result()
-            got = fh.readinto(ring[k])
-            if not got:
-                raise BytecodeError(f"{path} ended at byte {at} of {size}")
-            view = memoryview(ring[k])[:got]
-            end = at + got
-            while j < len(order) and found[order[j]].start < end:
-                live.append(order[j])
-                j += 1
-            pieces = []
-            for i in live:
-                b = found[i]
-                lo, hi = max(b.start, at), min(b.start + b.size, end)
-                if hi > lo:
-                    pieces.append((i, lo - at, hi - at))
-            live = [i for i in live if found[i].start + found[i].size > end]
-            pending[k] = (file_side.submit(whole.update, view), blob_side.submit(parts, view, pieces))
-            at, n = end, n + 1
-        for fs in pending:
-            for f in fs:
-                f.result()
-    return whole.hexdigest(), [(b, h.hexdigest()) for b, h in zip(found, hashes)]
+    j, at = 0, 0
+    with ThreadPoolExecutor(1) as file_side, ThreadPoolExecutor(1) as blob_side:
+        try:
+            with closing(_blocks(path, size, _CHUNK * 16, _READS_IN_FLIGHT, reuse)) as views:
+                for slot, view in views:
+                    end = at + len(view)
+                    while j < len(order) and found[order[j]].start < end:
+                        live.append(order[j])
+                        j += 1
+                    pieces = []
+                    for i in live:
+                        b = found[i]
+                        lo, hi = max(b.start, at), min(b.start + b.size, end)
+                        if hi > lo:
+                            pieces.append((i, lo - at, hi - at))
+                    live = [i for i in live if found[i].start + found[i].size > end]
+                    pending[slot] = (file_side.submit(whole.update, view),) + (
+                        (blob_side.submit(parts, view, pieces),) if pieces else ())
+                    at = end
+        finally:  # no buffer is let go while a hash still reads it
+            wait([f for fs in pending.values() for f in fs])
+    return whole.hexdigest(), [(b, h.hexdigest() if each_blob else None) for b, h in zip(found, hashes)]
 
 
 def resource_names(path: Path) -> list[str]:
@@ -355,9 +426,10 @@ def _stable_strings(strings: list[bytes], keys: list[int], digests: list[str], p
     return [renamed.get(i, s) for i, s in enumerate(strings)]
 
 
-def stable_resource_names(path: Path, prefix: str = "w_") -> tuple[int, str]:
+def stable_resource_names(path: Path, prefix: str = "w_") -> Written:
     """Rename every resource of ``path`` after the sha256 of its bytes, in place; returns how many,
-    and the sha256 of the renamed file (taken in the same single read: ``main.hash`` needs it).
+    the sha256 of the renamed file (taken in the same single read: ``main.hash`` needs it) and of
+    each resource.
 
     The string section must come after the resource section (MLIR's writer puts it there); the
     file is cut at the string section and everything from there on is written again."""
@@ -371,7 +443,7 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> tuple[int, str]:
         tail_start = sections[string_at].header
         if not entries:
             whole, _ = _hash_prefix(fh, size, [])
-            return 0, whole.hexdigest()
+            return Written(0, whole.hexdigest(), ())
         if RESOURCE in ids and ids.index(RESOURCE) > string_at:
             raise BytecodeError("the string section comes before the resource section")
         resource = sections[ids.index(RESOURCE)]
@@ -393,7 +465,7 @@ def stable_resource_names(path: Path, prefix: str = "w_") -> tuple[int, str]:
         fh.seek(tail_start)
         fh.write(tail)
         whole.update(tail)
-    return len(entries), whole.hexdigest()
+    return Written(len(entries), whole.hexdigest(), tuple(digests))
 
 
 def _resource_groups(offsets: bytes) -> tuple[list, list]:
@@ -545,13 +617,13 @@ class MissingPlaceholders(BytecodeError):
         self.keys = keys
 
 
-def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_", upcoming=None) -> tuple[int, str]:
+def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_", upcoming=None) -> Written:
     """Write ``out``: the bytecode ``path`` (small) with each blob whose data is a key of ``sizes`` (a
     placeholder) given its ``sizes[key]`` bytes from ``supply(key)`` (an iterable of bytes-like
     chunks, each left intact until the one after the next is asked for; it is advanced in a thread
     of its own, one chunk ahead), and every resource
-    renamed after its sha256 as ``stable_resource_names`` does. Returns how many were renamed and the sha256 of
-    ``out``. The resource offsets come before the resources, and the names after them: the file is
+    renamed after its sha256 as ``stable_resource_names`` does. Returns how many were renamed, the sha256 of
+    ``out`` and of each resource's data. The resource offsets come before the resources, and the names after them: the file is
     written in one pass, each supplied byte hashed twice (its blob, the file) and written once.
 
     ``upcoming(key)``, if given, is told which placeholders come next (the two after the one being
@@ -667,4 +739,4 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
         fh.abort()
         raise
     fh.close()
-    return len(entries), whole.hexdigest()
+    return Written(len(entries), whole.hexdigest(), tuple(digests))

@@ -98,6 +98,7 @@ class BackboneVerifyConfig:
     text: Any = None  # the build's plan: the release's text configuration
     located: dict[str, Any] | None = None  # the build's plan: every weight located in the shards
     release_side: Any = None  # the build's: asset_weights.ReleaseSide started beside the export
+    written: Any = None  # the build's: mlirb.Written, what its save hashed (main.mlirb then read with one hash)
 
 
 @dataclass
@@ -347,7 +348,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         checks.extend(descriptor_checks(asset, m, compiled=numeric))
         if comparing:
             weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log, scheme=scheme,
-                              compressed=compressed, release=cfg.release_side)
+                              compressed=compressed, release=cfg.release_side, written=cfg.written)
     except (IntegrityError, BytecodeError):
         if one_read:  # a main.mlirb that is not the manifest's is named as that, before what it broke
             check_asset(m, asset)
