@@ -819,6 +819,7 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
     assert sha256_file(tmp_path / "streamed.aimodel" / "main.mlirb") == want
     # what the inflating save hashed as it wrote is the file's (the build's gate relies on it)
     assert written.sha256 == want and list(written.blobs) == [h for _, h in digests(tmp_path / "streamed.aimodel" / "main.mlirb")[1]]
+    assert sorted(written.waits) == ["hashes", "supply", "write"] and min(written.waits.values()) >= 0  # the log's timings
     assert (tmp_path / "streamed.aimodel" / "main.hash").read_bytes().hex() == want
     assert not (tmp_path / "streamed.aimodel" / "main.mlirb.part").exists()
     # a placeholder the file does not hold, and a supply one byte short, are errors

@@ -288,8 +288,10 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
         sizes, supply, *upcoming = fill
         written = inflate(asset_dir / MLIRB, part, sizes, supply, upcoming=upcoming[0] if upcoming else None)
         os.replace(part, asset_dir / MLIRB)
+    labels = {"supply": "waiting for converted bytes", "hashes": "waiting for the hashes", "write": "copying and writing"}
+    waits = ", ".join(f"{labels[k]} {v:.1f} s" for k, v in (written.waits or {}).items())
     log(f"{written.renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s"
-        + (f", {len(fill[0])} of them converted into place" if fill else ""))
+        + (f", {len(fill[0])} of them converted into place ({waits})" if fill else ""))
     atomic_write_bytes(asset_dir / HASH, bytes.fromhex(written.sha256))
     # the runtime writes its keys in hash-map order; the same content in a fixed order
     meta_path = asset_dir / "metadata.json"

@@ -187,6 +187,7 @@ class Written:
     renamed: int
     sha256: str
     blobs: tuple[str, ...]
+    waits: dict[str, float] | None = None  # ``inflate``: seconds its writer waited, by what for
 
     def as_json(self) -> dict:
         return {"renamed": self.renamed, "sha256": self.sha256, "blobs": list(self.blobs)}
@@ -675,9 +676,14 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
     order = [body[0] for _, body, _ in plan if isinstance(body, tuple)]  # the placeholders, as they are filled
     nth = {key: i for i, key in enumerate(order)}
 
+    from time import perf_counter
+
     whole = hashlib.sha256()
     digests: list[str] = []
     written = 0
+    # where the writer's time goes (the fill's log says it): waiting for the next converted chunk,
+    # for the last chunk's two hashes, and copying into the O_DIRECT buffer and writing it
+    waits = {"supply": 0.0, "hashes": 0.0, "write": 0.0}
     fh = _DirectWriter(out)
     try:
         with ThreadPoolExecutor(max_workers=2) as pool, ThreadPoolExecutor(max_workers=1) as maker:
@@ -710,15 +716,26 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
                                     upcoming(key)
                             chunks = iter(supply(body[0]))
                             ahead = maker.submit(next, chunks, None)
-                            while (chunk := ahead.result()) is not None:
+                            while True:
+                                t = perf_counter()
+                                chunk = ahead.result()
+                                t1 = perf_counter()
+                                waits["supply"] += t1 - t
+                                if chunk is None:
+                                    break
                                 for f in hashing:
                                     f.result()
+                                t2 = perf_counter()
+                                waits["hashes"] += t2 - t1
                                 ahead = maker.submit(next, chunks, None)
                                 hashing = (pool.submit(whole.update, chunk), pool.submit(blob.update, chunk))
                                 fh.write(chunk)
+                                waits["write"] += perf_counter() - t2
                                 got += len(chunk)
+                            t = perf_counter()
                             for f in hashing:
                                 f.result()
+                            waits["hashes"] += perf_counter() - t
                             if got != size:
                                 raise BytecodeError(f"{out}: a placeholder got {got} bytes, {size} declared")
                             written += got
@@ -739,4 +756,4 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
         fh.abort()
         raise
     fh.close()
-    return Written(len(entries), whole.hexdigest(), tuple(digests))
+    return Written(len(entries), whole.hexdigest(), tuple(digests), {k: round(v, 3) for k, v in waits.items()})
