@@ -241,18 +241,19 @@ def _blocks(path: Path, size: int, block: int, depth: int, reuse):
     returns once that slot's last view is no longer in use."""
     import errno
     import mmap
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     slots = depth + 1
     bufs = [mmap.mmap(-1, block) for _ in range(slots)]  # anonymous: page-aligned, as O_DIRECT needs
-    direct = getattr(os, "O_DIRECT", 0) if block % 4096 == 0 else 0
+    direct = getattr(os, "O_DIRECT", 0) if block % 4096 == 0 and hasattr(os, "preadv") else 0
     try:
         fd = os.open(path, os.O_RDONLY | direct)
     except OSError:  # e.g. a tmpfs
         fd, direct = os.open(path, os.O_RDONLY), 0
     if direct and size:
         try:
-            os.preadv(fd, [bufs[0]], 0)
+            os.preadv(fd, [bufs[0]], 0)  # O_DIRECT is Linux's: so is preadv
         except OSError as exc:  # a file system that opens with O_DIRECT and refuses the read
             if exc.errno != errno.EINVAL:
                 os.close(fd)
@@ -260,9 +261,16 @@ def _blocks(path: Path, size: int, block: int, depth: int, reuse):
             os.close(fd)
             fd = os.open(path, os.O_RDONLY)
 
+    lock = threading.Lock()
+
     def read(i: int) -> int:
         want = min(block, size - i * block)
-        got = os.preadv(fd, [bufs[i % slots]], i * block)
+        if hasattr(os, "preadv"):
+            got = os.preadv(fd, [bufs[i % slots]], i * block)
+        else:  # macOS's Python may lack preadv: the same reads, one at a time
+            with lock:
+                os.lseek(fd, i * block, os.SEEK_SET)
+                got = os.readv(fd, [bufs[i % slots]])
         if got < want:
             raise BytecodeError(f"{path} ended at byte {i * block + got} of {size}")
         return want
