@@ -281,6 +281,7 @@ def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: boo
         release = None
     release = release or ReleaseSide(folder, infos, scaled, scheme, compressed)
     big = release.big
+
     def timed(*args):
         t = time.perf_counter()
         out = blob_digests(*args)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,7 +298,7 @@ def digests(path: Path, each_blob: bool = True) -> tuple[str, list[tuple[Blob, s
     is read by ``_blocks`` (several reads in flight); the file's hash and the blobs' run in two
     threads of their own (hashlib releases the GIL), each in file order, beside the next reads.
     ``each_blob=False``: the file's hash only (each blob's digest ``None``), one hash of each byte."""
-    from concurrent.futures import ThreadPoolExecutor, wait
+    from concurrent.futures import ThreadPoolExecutor
     from contextlib import closing
 
     path = Path(path)
@@ -320,26 +322,24 @@ def digests(path: Path, each_blob: bool = True) -> tuple[str, list[tuple[Blob, s
 
     live: list[int] = []  # blobs begun and not yet ended, at the current read
     j, at = 0, 0
-    with ThreadPoolExecutor(1) as file_side, ThreadPoolExecutor(1) as blob_side:
-        try:
-            with closing(_blocks(path, size, _CHUNK * 16, _READS_IN_FLIGHT, reuse)) as views:
-                for slot, view in views:
-                    end = at + len(view)
-                    while j < len(order) and found[order[j]].start < end:
-                        live.append(order[j])
-                        j += 1
-                    pieces = []
-                    for i in live:
-                        b = found[i]
-                        lo, hi = max(b.start, at), min(b.start + b.size, end)
-                        if hi > lo:
-                            pieces.append((i, lo - at, hi - at))
-                    live = [i for i in live if found[i].start + found[i].size > end]
-                    pending[slot] = (file_side.submit(whole.update, view),) + (
-                        (blob_side.submit(parts, view, pieces),) if pieces else ())
-                    at = end
-        finally:  # no buffer is let go while a hash still reads it
-            wait([f for fs in pending.values() for f in fs])
+    # leaving the executors waits for every hash still running (the views keep their buffers alive)
+    with ThreadPoolExecutor(1) as file_side, ThreadPoolExecutor(1) as blob_side, \
+            closing(_blocks(path, size, _CHUNK * 16, _READS_IN_FLIGHT, reuse)) as views:
+        for slot, view in views:
+            end = at + len(view)
+            while j < len(order) and found[order[j]].start < end:
+                live.append(order[j])
+                j += 1
+            pieces = []
+            for i in live:
+                b = found[i]
+                lo, hi = max(b.start, at), min(b.start + b.size, end)
+                if hi > lo:
+                    pieces.append((i, lo - at, hi - at))
+            live = [i for i in live if found[i].start + found[i].size > end]
+            pending[slot] = (file_side.submit(whole.update, view),) + (
+                (blob_side.submit(parts, view, pieces),) if pieces else ())
+            at = end
     return whole.hexdigest(), [(b, h.hexdigest() if each_blob else None) for b, h in zip(found, hashes)]
 
 
@@ -626,6 +626,16 @@ class MissingPlaceholders(BytecodeError):
         self.keys = keys
 
 
+@contextmanager
+def _spent(seconds: dict[str, float], key: str):
+    """Adds the time the ``with`` block took to ``seconds[key]``."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        seconds[key] += time.perf_counter() - t
+
+
 def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_", upcoming=None) -> Written:
     """Write ``out``: the bytecode ``path`` (small) with each blob whose data is a key of ``sizes`` (a
     placeholder) given its ``sizes[key]`` bytes from ``supply(key)`` (an iterable of bytes-like
@@ -684,8 +694,6 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
     order = [body[0] for _, body, _ in plan if isinstance(body, tuple)]  # the placeholders, as they are filled
     nth = {key: i for i, key in enumerate(order)}
 
-    from time import perf_counter
-
     whole = hashlib.sha256()
     digests: list[str] = []
     written = 0
@@ -725,25 +733,21 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
                             chunks = iter(supply(body[0]))
                             ahead = maker.submit(next, chunks, None)
                             while True:
-                                t = perf_counter()
-                                chunk = ahead.result()
-                                t1 = perf_counter()
-                                waits["supply"] += t1 - t
+                                with _spent(waits, "supply"):
+                                    chunk = ahead.result()
                                 if chunk is None:
                                     break
-                                for f in hashing:
-                                    f.result()
-                                t2 = perf_counter()
-                                waits["hashes"] += t2 - t1
+                                with _spent(waits, "hashes"):
+                                    for f in hashing:
+                                        f.result()
                                 ahead = maker.submit(next, chunks, None)
                                 hashing = (pool.submit(whole.update, chunk), pool.submit(blob.update, chunk))
-                                fh.write(chunk)
-                                waits["write"] += perf_counter() - t2
+                                with _spent(waits, "write"):
+                                    fh.write(chunk)
                                 got += len(chunk)
-                            t = perf_counter()
-                            for f in hashing:
-                                f.result()
-                            waits["hashes"] += perf_counter() - t
+                            with _spent(waits, "hashes"):
+                                for f in hashing:
+                                    f.result()
                             if got != size:
                                 raise BytecodeError(f"{out}: a placeholder got {got} bytes, {size} declared")
                             written += got
