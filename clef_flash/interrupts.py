@@ -132,3 +132,24 @@ async def gather_all(*aws: Awaitable[T]) -> list[T]:
         if isinstance(x, BaseException):
             raise x
     return out  # type: ignore[return-value]
+
+
+def die_with_parent(env_name: str) -> None:
+    """A child process ends when the process that started it ends, a SIGKILL included (Linux:
+    ``PR_SET_PDEATHSIG``): ``env_name`` holds the parent's pid, set by the parent when it started
+    the child. If the parent was gone before the call, the child ends now. Elsewhere a no-op (the
+    child's next write to its parent's pipe fails instead)."""
+    import os
+    import sys
+
+    parent = os.environ.get(env_name)
+    if not sys.platform.startswith("linux") or not parent:
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if str(os.getppid()) != parent:
+        os._exit(1)

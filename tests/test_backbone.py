@@ -942,25 +942,31 @@ def test_a_killed_build_leaves_no_worker_and_the_rerun_lands_clean(releases, tmp
     assert sorted(p.name for p in out.iterdir() if not p.name.endswith(".lock")) == ["tiny_release_decode_fp32_pf16"]
 
 
-def test_the_worker_dies_with_its_parent_even_when_silent(tmp_path):
+@pytest.mark.parametrize("child", ["export worker", "bytes made ahead"])
+def test_the_worker_dies_with_its_parent_even_when_silent(tmp_path, child):
     """PR_SET_PDEATHSIG: a worker in a long native call writes nothing for minutes, so a broken pipe
-    would not stop it; the kernel does when its parent is killed."""
+    would not stop it; the kernel does when its parent is killed. The same for the process that
+    makes a compressed build's bytes ahead of the save (its parent: the export worker)."""
     import os
     import signal
     import subprocess
     import sys
     import time
 
+    from clef_flash.backbone.ahead import PARENT_ENV as AHEAD_ENV
+    from clef_flash.build.process import PARENT_ENV as WORKER_ENV
+
+    env_name = WORKER_ENV if child == "export worker" else AHEAD_ENV
     pid_file = tmp_path / "child.pid"
     (tmp_path / "child.py").write_text(
         "import os, sys, time\n"
-        "from clef_flash.build.worker import _die_with_parent\n"
-        "_die_with_parent()\n"
+        "from clef_flash.interrupts import die_with_parent\n"
+        f"die_with_parent({env_name!r})\n"
         f"open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
         "time.sleep(120)\n")
     (tmp_path / "middle.py").write_text(
         "import os, subprocess, sys, time\n"
-        "env = {**os.environ, 'CLEF_EXPORT_PARENT_PID': str(os.getpid())}\n"
+        f"env = {{**os.environ, {env_name!r}: str(os.getpid())}}\n"
         f"subprocess.Popen([sys.executable, {str(tmp_path / 'child.py')!r}], env=env)\n"
         "time.sleep(120)\n")
     middle = str(tmp_path / "middle.py")

@@ -9,6 +9,7 @@ builds (the gate runs in each) -> plan-weights -> a build from the plan -> check
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import shutil
 from pathlib import Path
@@ -204,7 +205,10 @@ def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path,
     filled file's offsets section grew past the resource section's alignment, which the small
     file's writer had left undeclared: the runtime refused the file until inflate declared it.
 
-    How the streamed route gets there: each tensor's scales are asked before its codes, and its
+    The same bytes where a process of its own makes the codes and scales while the graph is traced
+    (``ahead``, a build's default) and the save reads them back.
+
+    How the streamed route gets there without it: each tensor's scales are asked before its codes, and its
     codes' pass divides by the scales that pass kept; every tensor but the first is named to
     ``prefetch`` (inflate's ``upcoming``) before it is asked, and nothing else is."""
     from clef_flash.backbone import weights as W
@@ -224,17 +228,20 @@ def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path,
     monkeypatch.setattr(W, "_will_need", lambda path, offset, length: (calls.append(("read ahead", offset, length)), will_need(path, offset, length))[1])
 
     cfg = read_text_config(release)
+    said: list[str] = []
     for bits, compute, context in ((8, "fp32", 1024), (4, "fp16", 64)):
         names = compressed_names(weight_names(cfg), Scheme(bits, 32), [1])
         digests = {}
-        for route, job_extra in (("own", {"buffers": False}), ("held", {"stream": False}), ("streamed", {})):
+        for route, job_extra in (("own", {"buffers": False}), ("held", {"stream": False}), ("streamed", {"ahead": False}),
+                                 ("ahead", {})):
             calls.clear()
+            said.clear()
             d = tmp_path / f"{bits}-{route}"
             d.mkdir()
             job = {"source": str(release), "asset_dir": str(d / "a.aimodel"), "text_config": cfg.as_dict(), "chunk": 64 if context > 64 else 16,
                    "context": context, "compute": compute, "description": {"author": "t", "license": "t", "description": "t"},
                    "quantization": {"bits": bits, "block": 32, "tensors": names}, **job_extra}
-            export_job(job, lambda m: None)
+            export_job(job, said.append)
             path = d / "a.aimodel" / "main.mlirb"
             with open(path, "rb") as fh:
                 digests[route] = (hashlib.sha256(path.read_bytes()).hexdigest(), {blob_sha256(fh, b) for b in blobs(path)})
@@ -250,7 +257,11 @@ def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path,
                 assert ahead and len(ahead) == len(set(ahead)) <= len(set(hinted)), bits  # each tensor read ahead once at most
                 first_ask = {n: next(i for i, c in enumerate(calls) if c[:2] == ("ask", n)) for n in order}
                 assert all(any(c == ("hint", n, None) for c in calls[:first_ask[n]]) for n in order[1:]), bits
-        assert digests["streamed"] == digests["held"], bits
+            if route == "ahead":  # every compressed tensor's parts made by the process, none here
+                assert any("compressed tensors made ahead when the save began" in m for m in said), bits
+                assert not [c for c in calls if c[0] == "codes from kept scales"], bits
+                assert {n for kind, n, part in calls if kind == "ask" and part != "fp16"} == set(names), bits
+        assert digests["streamed"] == digests["held"] == digests["ahead"], bits
         assert digests["own"][1] <= digests["streamed"][1], bits
 
 
@@ -536,3 +547,149 @@ def test_a_trial_from_its_first_compressed_layer_is_the_whole_pass(release, monk
         off = rows_with(release, records, deq, {2}, outputs=outputs)
         assert not all(np.array_equal(a, b) for a, b in zip(wholes[1], off, strict=True))
     assert not outputs.path.exists()  # the stored outputs go with the block
+
+
+# ---------------------------------------------------------------- bytes made ahead of the save
+
+
+def _one_tensor(tmp: Path, rows: int = 96, cols: int = 64, bad: bool = False, names=("m.weight",)) -> tuple[Path, dict]:
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    ws = {n: torch.randn(rows, cols, generator=g) * 0.02 for n in names}
+    if bad:
+        ws[names[0]][rows - 1, 5] = float("inf")
+    save_file({n: w.to(torch.bfloat16) for n, w in ws.items()}, str(tmp / "model.safetensors"))
+    return tmp, {n: (rows, cols) for n in names}
+
+
+def _made_here(w, name: str, part: str) -> bytes:
+    return b"".join(bytes(c) for c in w._make(name, part, 1 << 20))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_bytes_made_ahead_are_the_bytes_made_at_the_save(tmp_path, bits):
+    """The process that makes a compressed tensor's codes and scales while the graph is traced
+    (``ahead``) writes the bytes the save would make itself, and the save reads them back from the
+    scratch file, in the order it asks (here: another than the process's own), in blocks smaller
+    than the process's; each slot is freed once read (a hole: zeros)."""
+    from clef_flash.backbone.ahead import start
+    from clef_flash.backbone.quantize import Scheme
+    from clef_flash.backbone.weights import load_weights
+
+    folder, wanted = _one_tensor(tmp_path, rows=300, cols=128)
+    sch = Scheme(bits, 32)
+    here = load_weights(folder, wanted, tmp_path, streamed=True, scheme=sch, compressed=["m.weight"])
+    want = {p: _made_here(here, "m.weight", p) for p in ("scales", "codes")}
+    here.close()
+    w = load_weights(folder, wanted, tmp_path, streamed=True, scheme=sch, compressed=["m.weight"])
+    said: list[str] = []
+    try:
+        assert start(w, said.append)
+        w.ahead_order(["m.weight"])
+        assert said and "made ahead when the save began" in said[0]
+        made_here: list = []
+        w._make = lambda *a: (made_here.append(a), iter(()))[1]  # anything made here would be empty
+        got = {p: b"".join(bytes(c) for c in w.stream("m.weight", p, block_bytes=1000)) for p in ("scales", "codes")}
+        assert got == want and not made_here, bits
+        for p in ("scales", "codes"):
+            off, size = w._slots[("m.weight", p)]
+            assert not os.pread(w._fd, size, off).strip(b"\0"), "a slot read is punched out"
+    finally:
+        w.close()
+
+
+def test_a_process_that_stops_leaves_the_rest_to_the_save(tmp_path):
+    """Where the process stopped (an error, a kill), the save makes the rest itself from the byte
+    it reached: the same bytes. A tensor whose scale fp16 cannot hold stops the process, and the
+    save then fails on it by name, as it would without the process."""
+    import threading
+
+    from clef_flash.backbone.ahead import Ahead, start
+    from clef_flash.backbone.quantize import Scheme
+    from clef_flash.backbone.weights import load_weights
+    from clef_flash.errors import IntegrityError
+
+    folder, wanted = _one_tensor(tmp_path, rows=300, cols=128)
+    w = load_weights(folder, wanted, tmp_path, streamed=True, scheme=Scheme(8, 32), compressed=["m.weight"])
+    try:
+        want = _made_here(w, "m.weight", "codes")
+        off, size = w._slots[("m.weight", "codes")]
+        reached = 5000  # what the process had made and said when it stopped
+        os.pwrite(w._fd, want[:reached], off)
+        a = Ahead.__new__(Ahead)  # its state after the process stopped, without the process
+        a.w, a.made, a.stopped, a.finished, a._cond = w, {("m.weight", "codes"): reached}, "killed", False, threading.Condition()
+        got = b"".join(bytes(c) for c in a.read("m.weight", "codes", 3000, lambda: w._make("m.weight", "codes", 1024)))
+        assert got == want
+        a.made = {("m.weight", "codes"): 0}  # nothing made: all made here
+        assert b"".join(bytes(c) for c in a.read("m.weight", "codes", 3000, lambda: w._make("m.weight", "codes", 1024))) == want
+    finally:
+        w.close()
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    folder, wanted = _one_tensor(bad, rows=300, cols=128, bad=True)
+    w = load_weights(folder, wanted, bad, streamed=True, scheme=Scheme(8, 32), compressed=["m.weight"])
+    try:
+        assert start(w)
+        with pytest.raises(IntegrityError, match=r"model.safetensors: m.weight has values a int8 scale cannot hold"):
+            for p in ("scales", "codes"):
+                for _ in w.stream("m.weight", p):
+                    pass
+        assert w._ahead.stopped and "IntegrityError" in w._ahead.stopped
+    finally:
+        w.close()
+
+
+def test_no_bytes_made_ahead_where_the_disk_cannot_hold_them(tmp_path, monkeypatch):
+    """The scratch file keeps what the process made until the save reads it; where the free disk
+    could not hold that beside the asset, nothing is started and the save makes every byte."""
+    import shutil as sh
+
+    from clef_flash.backbone.ahead import start
+    from clef_flash.backbone.quantize import Scheme
+    from clef_flash.backbone.weights import load_weights
+
+    folder, wanted = _one_tensor(tmp_path)
+    w = load_weights(folder, wanted, tmp_path, streamed=True, scheme=Scheme(8, 32), compressed=["m.weight"])
+    need = sum(size for _, size in w._slots.values())
+    real = sh.disk_usage
+    said: list[str] = []
+    try:
+        monkeypatch.setattr(sh, "disk_usage", lambda p: real(p)._replace(free=2 * need + (1 << 30) - 1))
+        assert not start(w, said.append) and w._ahead is None
+        assert said and "made while the asset is written" in said[0]
+        monkeypatch.setattr(sh, "disk_usage", lambda p: real(p)._replace(free=2 * need + (1 << 30)))
+        assert start(w, said.append) and w._ahead is not None
+    finally:
+        w.close()
+
+
+def test_the_process_makes_the_rest_in_the_saves_order(tmp_path):
+    """The process starts in the order the converter is expected to ask (the names reversed); the
+    save's own order, sent on its stdin, is the order it makes the rest in."""
+    import json as js
+    import subprocess
+    import sys
+
+    from clef_flash.backbone.ahead import job_of
+    from clef_flash.backbone.quantize import Scheme
+    from clef_flash.backbone.weights import load_weights
+
+    names = ("a.weight", "b.weight", "c.weight")
+    folder, wanted = _one_tensor(tmp_path, names=names)
+    w = load_weights(folder, wanted, tmp_path, streamed=True, scheme=Scheme(8, 32), compressed=list(names))
+    try:
+        job = job_of(w, ["c.weight", "b.weight", "a.weight"])
+        res = subprocess.run([sys.executable, "-m", "clef_flash.backbone.ahead", js.dumps(job)], input="[2, 0, 1]\n",
+                             capture_output=True, text=True, pass_fds=(w._fd,), timeout=120, check=True)
+        lines = res.stdout.split("\n")
+        made = [int(ln.split()[0]) for ln in lines if ln and ln.split()[0].isdigit()]
+        assert list(dict.fromkeys(made)) == [2, 0, 1] and lines[-2] == "done", res.stdout
+        for n in names:
+            for p in ("scales", "codes"):
+                off, size = w._slots[(n, p)]
+                assert os.pread(w._fd, size, off) == _made_here(w, n, p), (n, p)
+    finally:
+        w.close()

@@ -198,6 +198,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     from ..formats.aimodel import import_toolchain, save
     from ..formats.mlirb import MissingPlaceholders
     from ..errors import ToolchainError
+    from .ahead import start as start_ahead
     from .contract import check_contract, weight_names
     from .graph import DecoderChunk, ImageDecoderChunk
     from .quantize import Scheme
@@ -235,35 +236,40 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
             streamed[scales.data_ptr()] = (f"{n}#scales", scales.numel() * 2)
         else:
             streamed[tensors[n].data_ptr()] = (n, tensors[n].numel() * 2)
-    release_freed_memory()
-    t_weights = time.perf_counter() - t0
-    state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
     try:
+        release_freed_memory()
+        if job.get("ahead", True) and weights.streamed:  # their bytes made on the other core while this one traces
+            start_ahead(weights, log)
+        t_weights = time.perf_counter() - t0
+        state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
+        try:
+            t0 = time.perf_counter()
+            ep = trace(module, cfg, ch, state_dtype, log)
+            t_trace = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            program, made = convert(ep, log, buffers=buffers, streamed=streamed, packed=packed, inputs=input_order(ch))
+            t_convert = time.perf_counter() - t0
+        except (ValueError, RuntimeError, TypeError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise ToolchainError(f"export of the backbone failed: {type(exc).__name__}: {first}") from exc
+        del ep, module, tensors, quantized
         t0 = time.perf_counter()
-        ep = trace(module, cfg, ch, state_dtype, log)
-        t_trace = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        program, made = convert(ep, log, buffers=buffers, streamed=streamed, packed=packed, inputs=input_order(ch))
-        t_convert = time.perf_counter() - t0
-    except (ValueError, RuntimeError, TypeError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise ToolchainError(f"export of the backbone failed: {type(exc).__name__}: {first}") from exc
-    del ep, module, tensors, quantized
-    t0 = time.perf_counter()
-    log(f"saving {asset_dir.name}" + (f", {plural(len(made.streamed), 'tensor')} converted into main.mlirb" if made.streamed else ""))
-    fill = None
-    if made.streamed:
-        fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(*_part(made.streamed[tag][0])),
-                lambda tag: weights.prefetch(_part(made.streamed[tag][0])[0]))
-    try:
-        written = save(program, asset_dir, job["description"], log, fill=fill)
-    except MissingPlaceholders as exc:  # name the tensors, not the placeholders
-        lost = sorted(made.streamed[k][0] for k in exc.keys)
-        raise ToolchainError(f"{asset_dir}: the compiler folded or inlined {lost[0]}" + (f" (+{len(lost) - 1} more)" if len(lost) > 1 else "")
-                             + "; a streamed tensor's bytes would be lost") from None
-    t_save = time.perf_counter() - t0
+        log(f"saving {asset_dir.name}" + (f", {plural(len(made.streamed), 'tensor')} converted into main.mlirb" if made.streamed else ""))
+        fill = None
+        if made.streamed:
+            fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(*_part(made.streamed[tag][0])),
+                    lambda tag: weights.prefetch(_part(made.streamed[tag][0])[0]),
+                    lambda tags: weights.ahead_order([_part(made.streamed[tag][0])[0] for tag in tags]))
+        try:
+            written = save(program, asset_dir, job["description"], log, fill=fill)
+        except MissingPlaceholders as exc:  # name the tensors, not the placeholders
+            lost = sorted(made.streamed[k][0] for k in exc.keys)
+            raise ToolchainError(f"{asset_dir}: the compiler folded or inlined {lost[0]}" + (f" (+{len(lost) - 1} more)" if len(lost) > 1 else "")
+                                 + "; a streamed tensor's bytes would be lost") from None
+        t_save = time.perf_counter() - t0
+    finally:
+        weights.close()  # the process making bytes ahead ends with it, on every path
     fp16_bytes = weights.fp16_bytes
-    weights.close()
     return {"weights": t_weights, "trace": t_trace, "convert": t_convert, "save": t_save,
             "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k),
             "written": written.as_json()}  # the gate's proof of main.mlirb's blobs by one hash of the file

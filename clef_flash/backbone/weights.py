@@ -223,98 +223,51 @@ def read_f32(folder: Path, t: TensorInfo) -> np.ndarray:
     return out.reshape(t.shape)
 
 
-class Fp16Weights:
-    """The release's tensors as the graph reads them: 2-D+ as fp16 views of the mapped scratch file,
-    1-D as fp32 arrays. ``tensors()`` gives torch tensors sharing that memory."""
+class TensorBlocks:
+    """A release's tensors as the bytes the asset stores, in row blocks: fp16 (times 2**k), or a
+    compressed tensor's codes and scales. What ``Fp16Weights.stream`` and the process that makes
+    them ahead of the save (``ahead``) both run, so the two make the same bytes."""
 
-    def __init__(self, folder: Path, infos: dict[str, TensorInfo], scratch_dir: Path, log=lambda msg: None,
-                 scaled: bool = False, streamed: bool = False, scheme=None, compressed=()) -> None:
-        """``streamed``: tensors of more than ``FOLD_MAX_VALUES`` values are not converted here. Their
-        views lie over holes of the sparse scratch file (zeros if read; neither the trace nor the
-        converter reads them, ``export.constants_from_buffers``), and ``stream(name)`` converts them
-        when ``main.mlirb`` is written (``mlirb.inflate``): the release is read once and the fp16
-        bytes are written once, into the asset. Smaller ones the compiler may fold: converted now.
-
-        ``scheme`` (``quantize.Scheme``) and ``compressed`` (tensor names): those tensors are laid out
-        as int8 codes (int4 values unpacked: the traced shape; the packed bytes are the first half of
-        the same slot) and fp16 scales, ``codes[name]`` / ``scales[name]``, computed from the release
-        (times ``2**k``) by ``quantize.quantize_torch``; streamed ones when ``main.mlirb`` is written
-        (``stream(name, "codes" | "scales")``: each part computed from the release when it is
-        asked; their scratch slots stay holes)."""
+    def __init__(self, folder: Path, scheme=None) -> None:
         self.folder = Path(folder)
-        self.scaled = scaled
-        self._hints = None  # the prefetch thread, started by the first ``prefetch``
-        self._scales_made = None  # (name, scales): the last tensor's scales, for its codes' pass
-        self._prefetched: set[str] = set()
-        self.exponents: dict[str, int] = {}  # name -> k: the stored tensor is W * 2**k
-        self.streamed: dict[str, TensorInfo] = {}  # name -> tensor, for ``stream``
-        self._log = log
         self.scheme = scheme
-        self.compressed = set(compressed) if scheme is not None else set()
-        self.codes: dict[str, np.ndarray] = {}  # name -> int8 [out, in] view (int4: values unpacked)
-        self.scales: dict[str, np.ndarray] = {}  # name -> fp16 [out, in / block] view
-        self._slots: dict[tuple[str, str], tuple[int, int]] = {}  # (name, part) -> (offset, stored bytes)
-        size = max(scratch_bytes(infos, scheme, self.compressed), _ALIGN)
-        fd, path = tempfile.mkstemp(prefix=".clef-weights-", suffix=".f16", dir=scratch_dir)
-        try:
-            os.unlink(path)  # only the mapping holds it: nothing is left on any exit
-            os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-            self.arrays: dict[str, np.ndarray] = {}
-            self.fp16_bytes = 0
-            at = 0
-            for name in sorted(infos, key=lambda n: (infos[n].file, infos[n].offset)):  # shard order: sequential reads
-                t = infos[name]
-                if len(t.shape) < 2:
-                    self.arrays[name] = self._read_small(t)
-                    continue
-                n = int(np.prod(t.shape))
-                k = self._exponent(t) if scaled else 0
-                self.exponents[name] = k
-                if name in self.compressed:  # the compiler folds no blockwise op: streamed at any size
-                    at = self._lay_out_codes(t, fd, at, k, streamed)
-                    continue
-                if streamed and n > FOLD_MAX_VALUES:
-                    self.streamed[name] = t
-                else:
-                    self._convert(t, fd, at, k)  # written with pwrite: no page fault per page of the mapping
-                self.arrays[name] = np.frombuffer(self._map, dtype=np.float16, count=n, offset=at).reshape(t.shape)
-                self.fp16_bytes += n * 2
-                at += _slot(n * 2)
-        finally:
-            os.close(fd)
-        log(f"{plural(len(infos), 'tensor')}, {self.fp16_bytes:,} fp16 bytes laid out"
-            + (f", {len(self.compressed)} as {scheme.weights} codes per block of {scheme.block}" if self.compressed else "")
-            + (f" ({len(self.streamed)} streamed into the asset when it is written)" if streamed else ""))
 
-    def _lay_out_codes(self, t: TensorInfo, fd: int, at: int, k: int, streamed: bool) -> int:
-        """Slots for a compressed tensor's codes (int8, the traced shape) and scales (fp16); filled
-        now, or when ``main.mlirb`` is written (``streamed``)."""
-        sch = self.scheme
-        n = int(np.prod(t.shape))
-        scale_shape = sch.scale_shape(t.shape)
-        codes_at, scales_at = at, at + _slot(n)
-        at = scales_at + _slot(sch.scale_bytes(t.shape))
-        self._slots[(t.name, "codes")] = (codes_at, sch.code_bytes(t.shape))
-        self._slots[(t.name, "scales")] = (scales_at, sch.scale_bytes(t.shape))
-        self.codes[t.name] = np.frombuffer(self._map, dtype=np.int8, count=n, offset=codes_at).reshape(t.shape)
-        self.scales[t.name] = np.frombuffer(self._map, dtype=np.float16, count=int(np.prod(scale_shape)),
-                                            offset=scales_at).reshape(scale_shape)
-        self.fp16_bytes += n * 2
-        if streamed:
-            self.streamed[t.name] = t
-        else:  # small: the codes unpacked (the converter packs int4 itself), both written now
-            row_bytes, srow = t.shape[1], scale_shape[1] * 2
-            for r0, codes, scales in self._code_blocks(t, self.exponents[t.name], packed=False):
-                _pwrite(fd, memoryview(codes.numpy()).cast("B"), codes_at + r0 * row_bytes)
-                _pwrite(fd, memoryview(scales.numpy()).cast("B"), scales_at + r0 * srow)
-        return at
+    def _blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
+        """The tensor as flat fp32 row blocks ``(r0, r1, values)``, converted by torch into one reused
+        buffer (a fresh block each time spent more on page faults than on converting)."""
+        import torch
 
-    def packed_codes(self, name: str) -> np.ndarray:
-        """A streamed int4 tensor's packed bytes: a view over the first half of its codes slot (a
-        hole until ``stream`` fills it)."""
-        off, size = self._slots[(name, "codes")]
-        return np.frombuffer(self._map, dtype=np.uint8, count=size, offset=off)
+        buf = None
+        for r0, r1, raw in raw_blocks(self.folder, t, block_bytes):
+            src = torch_view(raw, t.dtype)
+            if src.dtype == torch.float32:
+                yield r0, r1, src
+                continue
+            if buf is None:
+                buf = torch.empty(src.numel(), dtype=torch.float32)
+            out = buf[: src.numel()]
+            out.copy_(src)
+            yield r0, r1, out
+
+    def _fp16_blocks(self, t: TensorInfo, k: int, block_bytes: int = _BLOCK_BYTES, ring: int = 1):
+        """Row blocks of the shard -> fp16 (times 2**k): ``(r0, bytes)``, ``ring`` reused buffers in
+        turn; a value beyond fp16's range is an error naming the tensor, never a silent inf."""
+        import torch
+
+        halves: list = []
+        for i, (r0, _r1, block) in enumerate(self._blocks(t, block_bytes)):
+            if k:
+                block.mul_(2.0 ** k)  # exact: a power of two
+            if block.numel():
+                lo, hi = torch.aminmax(block)
+                top = max(float(hi), -float(lo))  # NaN when the source holds one: passed through, as inf is
+                if _FP16_OVERFLOW <= top < float("inf"):
+                    raise IntegrityError(f"{self.folder / t.file}: {t.name} has values beyond fp16's range (|x| > 65504)")
+            if len(halves) < ring:
+                halves.append(torch.empty(block.numel(), dtype=torch.float16))
+            part = halves[i % ring][: block.numel()]
+            part.copy_(block)  # rounds to nearest even, as numpy's astype
+            yield r0, memoryview(part.numpy()).cast("B")
 
     def _code_blocks(self, t: TensorInfo, k: int, packed: bool, block_bytes: int = _BLOCK_BYTES, scales_only: bool = False,
                      scales_made=None):
@@ -367,6 +320,108 @@ class Fp16Weights:
                 codes = pack_int4_torch(codes)
             yield r0, codes, scales
 
+class Fp16Weights(TensorBlocks):
+    """The release's tensors as the graph reads them: 2-D+ as fp16 views of the mapped scratch file,
+    1-D as fp32 arrays. ``tensors()`` gives torch tensors sharing that memory."""
+
+    def __init__(self, folder: Path, infos: dict[str, TensorInfo], scratch_dir: Path, log=lambda msg: None,
+                 scaled: bool = False, streamed: bool = False, scheme=None, compressed=()) -> None:
+        """``streamed``: tensors of more than ``FOLD_MAX_VALUES`` values are not converted here. Their
+        views lie over holes of the sparse scratch file (zeros if read; neither the trace nor the
+        converter reads them, ``export.constants_from_buffers``), and ``stream(name)`` converts them
+        when ``main.mlirb`` is written (``mlirb.inflate``): the release is read once and the fp16
+        bytes are written once, into the asset. Smaller ones the compiler may fold: converted now.
+        (A compressed tensor's codes and scales may be made earlier, ``ahead.start``, into their
+        slots, and read back from there.)
+
+        ``scheme`` (``quantize.Scheme``) and ``compressed`` (tensor names): those tensors are laid out
+        as int8 codes (int4 values unpacked: the traced shape; the packed bytes are the first half of
+        the same slot) and fp16 scales, ``codes[name]`` / ``scales[name]``, computed from the release
+        (times ``2**k``) by ``quantize.quantize_torch``; streamed ones when ``main.mlirb`` is written
+        (``stream(name, "codes" | "scales")``: each part computed from the release when it is
+        asked; their scratch slots stay holes)."""
+        super().__init__(folder, scheme)
+        self.scaled = scaled
+        self._hints = None  # the prefetch thread, started by the first ``prefetch``
+        self._scales_made = None  # (name, scales): the last tensor's scales, for its codes' pass
+        self._prefetched: set[str] = set()
+        self.exponents: dict[str, int] = {}  # name -> k: the stored tensor is W * 2**k
+        self.streamed: dict[str, TensorInfo] = {}  # name -> tensor, for ``stream``
+        self._log = log
+        self.compressed = set(compressed) if scheme is not None else set()
+        self.codes: dict[str, np.ndarray] = {}  # name -> int8 [out, in] view (int4: values unpacked)
+        self.scales: dict[str, np.ndarray] = {}  # name -> fp16 [out, in / block] view
+        self._slots: dict[tuple[str, str], tuple[int, int]] = {}  # (name, part) -> (offset, stored bytes)
+        size = max(scratch_bytes(infos, scheme, self.compressed), _ALIGN)
+        self._dir = Path(scratch_dir)
+        fd, path = tempfile.mkstemp(prefix=".clef-weights-", suffix=".f16", dir=scratch_dir)
+        try:
+            os.unlink(path)  # only the mapping holds it: nothing is left on any exit
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+            self.arrays: dict[str, np.ndarray] = {}
+            self.fp16_bytes = 0
+            at = 0
+            for name in sorted(infos, key=lambda n: (infos[n].file, infos[n].offset)):  # shard order: sequential reads
+                t = infos[name]
+                if len(t.shape) < 2:
+                    self.arrays[name] = self._read_small(t)
+                    continue
+                n = int(np.prod(t.shape))
+                k = self._exponent(t) if scaled else 0
+                self.exponents[name] = k
+                if name in self.compressed:  # the compiler folds no blockwise op: streamed at any size
+                    at = self._lay_out_codes(t, fd, at, k, streamed)
+                    continue
+                if streamed and n > FOLD_MAX_VALUES:
+                    self.streamed[name] = t
+                    self._slots[(name, "fp16")] = (at, n * 2)
+                else:
+                    self._convert(t, fd, at, k)  # written with pwrite: no page fault per page of the mapping
+                self.arrays[name] = np.frombuffer(self._map, dtype=np.float16, count=n, offset=at).reshape(t.shape)
+                self.fp16_bytes += n * 2
+                at += _slot(n * 2)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not self.streamed:
+            os.close(fd)
+            fd = -1
+        self._fd = fd  # kept while tensors are streamed: ``ahead.start``'s process writes their slots through it
+        self._ahead = None  # that process (``ahead.start``), if started
+        log(f"{plural(len(infos), 'tensor')}, {self.fp16_bytes:,} fp16 bytes laid out"
+            + (f", {len(self.compressed)} as {scheme.weights} codes per block of {scheme.block}" if self.compressed else "")
+            + (f" ({len(self.streamed)} streamed into the asset when it is written)" if streamed else ""))
+
+    def _lay_out_codes(self, t: TensorInfo, fd: int, at: int, k: int, streamed: bool) -> int:
+        """Slots for a compressed tensor's codes (int8, the traced shape) and scales (fp16); filled
+        now, or when ``main.mlirb`` is written (``streamed``)."""
+        sch = self.scheme
+        n = int(np.prod(t.shape))
+        scale_shape = sch.scale_shape(t.shape)
+        codes_at, scales_at = at, at + _slot(n)
+        at = scales_at + _slot(sch.scale_bytes(t.shape))
+        self._slots[(t.name, "codes")] = (codes_at, sch.code_bytes(t.shape))
+        self._slots[(t.name, "scales")] = (scales_at, sch.scale_bytes(t.shape))
+        self.codes[t.name] = np.frombuffer(self._map, dtype=np.int8, count=n, offset=codes_at).reshape(t.shape)
+        self.scales[t.name] = np.frombuffer(self._map, dtype=np.float16, count=int(np.prod(scale_shape)),
+                                            offset=scales_at).reshape(scale_shape)
+        self.fp16_bytes += n * 2
+        if streamed:
+            self.streamed[t.name] = t
+        else:  # small: the codes unpacked (the converter packs int4 itself), both written now
+            row_bytes, srow = t.shape[1], scale_shape[1] * 2
+            for r0, codes, scales in self._code_blocks(t, self.exponents[t.name], packed=False):
+                _pwrite(fd, memoryview(codes.numpy()).cast("B"), codes_at + r0 * row_bytes)
+                _pwrite(fd, memoryview(scales.numpy()).cast("B"), scales_at + r0 * srow)
+        return at
+
+    def packed_codes(self, name: str) -> np.ndarray:
+        """A streamed int4 tensor's packed bytes: a view over the first half of its codes slot (a
+        hole until ``stream`` fills it)."""
+        off, size = self._slots[(name, "codes")]
+        return np.frombuffer(self._map, dtype=np.uint8, count=size, offset=off)
+
     def stream(self, name: str, part: str = "fp16", block_bytes: int = _BLOCK_BYTES):
         """A streamed tensor's fp16 bytes (times 2**k), or a compressed one's ``codes`` / ``scales``
         bytes, in row blocks: each block stays intact while the next one is made (``mlirb.inflate``
@@ -377,7 +432,17 @@ class Fp16Weights:
         (1/16 of the codes' bytes), and the codes' pass that follows reads the tensor again from
         the page cache and divides by them. Keeping the codes made with the scales for later
         instead parked 7.9 GB in the scratch file at 9B int8 (page faults, a second copy, 6.3 GB
-        of file-backed memory). In another order, each pass computes what it needs."""
+        of file-backed memory). In another order, each pass computes what it needs.
+
+        Made ahead (``ahead.start``): the part's bytes read back from its slot, as far as the
+        process made them, and made here from there if it stopped."""
+        if self._ahead is not None and self._ahead.covers(name):
+            yield from self._ahead.read(name, part, block_bytes, lambda: self._make(name, part, block_bytes))
+            return
+        yield from self._make(name, part, block_bytes)
+
+    def _make(self, name: str, part: str, block_bytes: int):
+        """``stream``'s bytes, made here from the release."""
         if part == "fp16":
             for _r0, data in self._fp16_blocks(self.streamed[name], self.exponents[name], block_bytes, ring=_RING):
                 yield data
@@ -401,13 +466,18 @@ class Fp16Weights:
                                                     scales_made=given):
             yield memoryview(codes.numpy()).cast("B")
 
+    def ahead_order(self, names: list[str]) -> None:
+        """The order the save asks for the streamed tensors in, once known: the rest made in it."""
+        if self._ahead is not None:
+            self._ahead.order(names)
+
     def prefetch(self, name: str) -> None:
         """Ask the kernel, from a thread of its own, to read a streamed tensor's bytes into the page
         cache now (``POSIX_FADV_WILLNEED``): ``mlirb.inflate`` names the tensors it fills next, so
         the disk reads them while this one is converted, hashed and written. A hint only: where it
         is not offered, or fails, the tensor is read when it is asked."""
         t = self.streamed.get(name)
-        if t is None or name in self._prefetched or not hasattr(os, "posix_fadvise"):
+        if t is None or name in self._prefetched or not hasattr(os, "posix_fadvise") or self._ahead is not None:
             return
         self._prefetched.add(name)
         if self._hints is None:
@@ -421,23 +491,6 @@ class Fp16Weights:
             fh.seek(t.offset)
             raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
         return as_f32(raw, t.dtype).reshape(t.shape).copy()
-
-    def _blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
-        """The tensor as flat fp32 row blocks ``(r0, r1, values)``, converted by torch into one reused
-        buffer (a fresh block each time spent more on page faults than on converting)."""
-        import torch
-
-        buf = None
-        for r0, r1, raw in raw_blocks(self.folder, t, block_bytes):
-            src = torch_view(raw, t.dtype)
-            if src.dtype == torch.float32:
-                yield r0, r1, src
-                continue
-            if buf is None:
-                buf = torch.empty(src.numel(), dtype=torch.float32)
-            out = buf[: src.numel()]
-            out.copy_(src)
-            yield r0, r1, out
 
     def _exponent(self, t: TensorInfo) -> int:
         """The largest k with max |W| * 2**k <= 2**SCALE_TARGET (0 for an all-zero tensor). For bf16
@@ -462,26 +515,6 @@ class Fp16Weights:
                     top = max(top, float(hi), -float(lo))
         return scale_exponent(top)
 
-    def _fp16_blocks(self, t: TensorInfo, k: int, block_bytes: int = _BLOCK_BYTES, ring: int = 1):
-        """Row blocks of the shard -> fp16 (times 2**k): ``(r0, bytes)``, ``ring`` reused buffers in
-        turn; a value beyond fp16's range is an error naming the tensor, never a silent inf."""
-        import torch
-
-        halves: list = []
-        for i, (r0, _r1, block) in enumerate(self._blocks(t, block_bytes)):
-            if k:
-                block.mul_(2.0 ** k)  # exact: a power of two
-            if block.numel():
-                lo, hi = torch.aminmax(block)
-                top = max(float(hi), -float(lo))  # NaN when the source holds one: passed through, as inf is
-                if _FP16_OVERFLOW <= top < float("inf"):
-                    raise IntegrityError(f"{self.folder / t.file}: {t.name} has values beyond fp16's range (|x| > 65504)")
-            if len(halves) < ring:
-                halves.append(torch.empty(block.numel(), dtype=torch.float16))
-            part = halves[i % ring][: block.numel()]
-            part.copy_(block)  # rounds to nearest even, as numpy's astype
-            yield r0, memoryview(part.numpy()).cast("B")
-
     def _convert(self, t: TensorInfo, fd: int, at: int, k: int = 0) -> None:
         """The tensor converted (``_fp16_blocks``) and written at ``at`` in the scratch file."""
         row_bytes = int(np.prod(t.shape[1:])) * 2
@@ -503,6 +536,12 @@ class Fp16Weights:
         return {n: (torch.from_numpy(self.codes[n]), torch.from_numpy(self.scales[n])) for n in sorted(self.codes)}
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._hints is not None:
             self._hints.shutdown(wait=True, cancel_futures=True)
             self._hints = None

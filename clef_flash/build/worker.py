@@ -9,6 +9,7 @@ import sys
 
 from ..errors import ClefError, OutputError
 from . import backbone, head, plan_weights, vision
+from ..interrupts import die_with_parent
 from .process import PARENT_ENV, root_cause
 
 JOBS = {m.MODEL: m.export_job for m in (head, backbone, vision)}
@@ -34,30 +35,14 @@ def _main(job_text: str) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    """The worker ends when the command that started it ends, a SIGKILL included (Linux:
-    ``PR_SET_PDEATHSIG``), so a killed build leaves no worker writing into its staged folder (the
-    next build of that bundle sweeps the folder) and its unlinked scratch file goes with it."""
-    parent = os.environ.get(PARENT_ENV)
-    if not sys.platform.startswith("linux") or not parent:
-        return
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if str(os.getppid()) != parent:  # the parent was gone before the call: end now
-        os._exit(1)
-
-
 if __name__ == "__main__":
     import signal
 
     # Ctrl-C reaches the whole process group: the parent reports it once and kills this worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    # the worker ends when the command that started it ends, a SIGKILL included: a killed build leaves
+    # no worker writing into its staged folder, and its unlinked scratch file goes with it
+    die_with_parent(PARENT_ENV)
     status = _main(sys.argv[1])
     sys.stdout.flush()
     sys.stderr.flush()

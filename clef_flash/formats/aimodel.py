@@ -259,9 +259,9 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
     after their bytes (the compiler keys them by a per-process hash), ``main.hash`` to match, the
     asset's metadata in a fixed key order with ``SOURCE_DATE_EPOCH`` as its creation date.
 
-    ``fill``: ``(sizes, supply)`` or ``(sizes, supply, upcoming)`` for resources the program declares
-    empty (``mlirb.inflate``): the bytecode is written small and ``main.mlirb`` rewritten once with
-    their data, named as above.
+    ``fill``: ``(sizes, supply)``, ``(sizes, supply, upcoming)`` or ``(sizes, supply, upcoming,
+    planned)`` for resources the program declares empty (``mlirb.inflate``): the bytecode is
+    written small and ``main.mlirb`` rewritten once with their data, named as above.
 
     Returns what was hashed on the way (``mlirb.Written``: the file's sha256 and every resource's),
     for a gate that proves the file on disk is those bytes by one more hash of the file."""
@@ -285,8 +285,9 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
         written = stable_resource_names(asset_dir / MLIRB)
     else:
         part = asset_dir / (MLIRB + ".part")
-        sizes, supply, *upcoming = fill
-        written = inflate(asset_dir / MLIRB, part, sizes, supply, upcoming=upcoming[0] if upcoming else None)
+        sizes, supply, *hooks = fill
+        upcoming, planned = (list(hooks) + [None, None])[:2]
+        written = inflate(asset_dir / MLIRB, part, sizes, supply, upcoming=upcoming, planned=planned)
         os.replace(part, asset_dir / MLIRB)
     labels = {"supply": "waiting for converted bytes", "hashes": "waiting for the hashes", "write": "copying and writing"}
     waits = ", ".join(f"{labels[k]} {v:.1f} s" for k, v in (written.waits or {}).items())

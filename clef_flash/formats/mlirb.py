@@ -636,7 +636,8 @@ def _spent(seconds: dict[str, float], key: str):
         seconds[key] += time.perf_counter() - t
 
 
-def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_", upcoming=None) -> Written:
+def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_", upcoming=None,
+            planned=None) -> Written:
     """Write ``out``: the bytecode ``path`` (small) with each blob whose data is a key of ``sizes`` (a
     placeholder) given its ``sizes[key]`` bytes from ``supply(key)`` (an iterable of bytes-like
     chunks, each left intact until the one after the next is asked for; it is advanced in a thread
@@ -647,6 +648,7 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
 
     ``upcoming(key)``, if given, is told which placeholders come next (the two after the one being
     filled, when it starts): a supplier that reads from disk can ask for those bytes early.
+    ``planned(keys)``, if given, is told once, before any is filled, the order they are filled in.
 
     The bytes are those of the converter's own writer given the data (a test holds it): each
     blob's padding is relative to the resource section's start, which is aligned for every blob."""
@@ -693,6 +695,8 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
     offsets_data = _write_groups(groups, new_sizes)
     order = [body[0] for _, body, _ in plan if isinstance(body, tuple)]  # the placeholders, as they are filled
     nth = {key: i for i, key in enumerate(order)}
+    if planned is not None:
+        planned(list(order))
 
     whole = hashlib.sha256()
     digests: list[str] = []

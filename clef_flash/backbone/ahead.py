@@ -1,0 +1,281 @@
+"""A compressed build's codes and scales made ahead of the save, while the graph is traced.
+
+Tracing and converting the 9B take one core for 20-30 s; quantizing its weights takes about as
+long on a core of its own, and used to start only when ``main.mlirb`` was written (the save then
+waited 24-49 s for the quantizer). A second process (``python -m clef_flash.backbone.ahead``) now
+makes each compressed tensor's codes and scales (``weights.TensorBlocks``: the save's own code, so
+the same bytes) as soon as the weights are laid out, and writes them into the tensor's slots of
+the scratch file, holes until then that nothing reads before the save. The save reads each slot
+back, and the slot is punched out of the file once read: the disk holds only what the save has
+not yet written. (It can make fp16 tensors too; a build does not ask, ``start``
+says why.)
+
+Protocol: the job is one JSON argument, the scratch file is the inherited descriptor it names.
+The process writes ``<index> <part> <bytes made>`` lines on stdout as it goes, and one ``error
+<text>`` line if it stops; the save's order, once the converter has fixed it, reaches it as one
+JSON list of task indices on stdin, and it makes the rest in that order. If it stops early (an
+error, a kill), the save makes what is missing itself, from the byte where the process stopped:
+whatever happens here, ``main.mlirb`` is the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..interrupts import die_with_parent
+
+PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+DISK_MARGIN = 1 << 30  # free bytes left beyond the scratch's worst case before this starts
+NICE = 10
+PARENT_ENV = "CLEF_AHEAD_PARENT_PID"
+
+
+def _punch(fd: int, offset: int, length: int) -> None:
+    """Free a slot's disk blocks and cached pages (Linux ``fallocate``); elsewhere the slot stays
+    until the scratch file goes."""
+    if not sys.platform.startswith("linux") or length <= 0:
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.fallocate(ctypes.c_int(fd), ctypes.c_int(PUNCH), ctypes.c_longlong(offset), ctypes.c_longlong(length))
+    except (OSError, AttributeError):
+        pass
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        got = os.preadv(fd, [view], offset) if hasattr(os, "preadv") else _pread_copy(fd, view, offset)
+        if not got:
+            raise OSError(f"the scratch file ends at byte {offset}")
+        view, offset = view[got:], offset + got
+
+
+def _pread_copy(fd: int, view: memoryview, offset: int) -> int:
+    data = os.pread(fd, len(view), offset)
+    view[:len(data)] = data
+    return len(data)
+
+
+def job_of(weights, names: list[str]) -> dict:
+    """The process's job: the release, the scratch file's descriptor, and each tensor's place in
+    the release and slots in the scratch file, in the order to make them."""
+    tasks = []
+    for n in names:
+        t = weights.streamed[n]
+        parts = {p: list(weights._slots[(n, p)]) for p in (("codes", "scales") if n in weights.compressed else ("fp16",))}
+        tasks.append({"name": n, "file": t.file, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
+                      "k": weights.exponents[n], "slots": parts})
+    sch = weights.scheme
+    return {"folder": str(weights.folder), "fd": weights._fd, "tasks": tasks,
+            "scheme": [sch.bits, sch.block] if sch is not None else None}
+
+
+def start(weights, log: Callable[[str], None] = lambda m: None) -> bool:
+    """Start making the compressed tensors' codes and scales of ``weights`` (``Fp16Weights``,
+    streamed) in a process of their own while the graph is traced; its ``stream`` then reads them
+    back. False where there are none, or where the disk could not hold them beside the asset (each
+    slot is freed once the save has read it, but a file system without hole punching keeps them all).
+
+    Only the compressed ones: the quantizer is the save's CPU (9B int8: 23.6 s of its 34.8 s),
+    and its bytes are 0.6x fp16. An fp16 tensor's conversion is cheap and its bytes are what the
+    disk pays twice: made ahead too, the 9B fp16 export took 59.8-67.0 s instead of 52.5."""
+    import shutil
+
+    names = sorted((n for n in weights.streamed if n in weights.compressed), reverse=True)
+    if not names or weights._ahead is not None:
+        return False
+    need = sum(size for (n, _p), (_off, size) in weights._slots.items() if n in names)
+    free = shutil.disk_usage(weights._dir).free
+    if free < 2 * need + DISK_MARGIN:
+        log(f"{weights._dir}: {free / 1e9:.1f} GB free, {2 * need / 1e9:.1f} GB would hold the weights made ahead "
+            "and the asset: made while the asset is written instead")
+        return False
+    # the order the converter gives them in (the reverse of the names' order, measured), until the save says
+    weights._ahead = Ahead(weights, names, log)
+    return True
+
+
+class Ahead:
+    """The parent's side: starts the process, follows its progress, and reads each slot back."""
+
+    def __init__(self, weights, names: list[str], log: Callable[[str], None] = lambda m: None) -> None:
+        self.w = weights
+        self.log = log
+        self.names = list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.made: dict[tuple[str, str], int] = {}  # (name, part) -> bytes made
+        self.stopped: str | None = None  # why the process ended before making everything
+        self.finished = False
+        self._cond = threading.Condition()
+        self.proc = subprocess.Popen([sys.executable, "-m", "clef_flash.backbone.ahead", json.dumps(job_of(weights, self.names))],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     pass_fds=(weights._fd,), text=True, env={**os.environ, PARENT_ENV: str(os.getpid())})
+        self._reader = threading.Thread(target=self._follow, name="clef-ahead", daemon=True)
+        self._reader.start()
+
+    def _follow(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            head, _, rest = line.rstrip("\n").partition(" ")
+            with self._cond:
+                if head == "error":
+                    self.stopped = rest
+                elif head == "done":
+                    self.finished = True
+                else:
+                    part, _, n = rest.partition(" ")
+                    self.made[(self.names[int(head)], part)] = int(n)
+                self._cond.notify_all()
+        self.proc.wait()
+        with self._cond:
+            if not self.finished and self.stopped is None:
+                self.stopped = f"it exited with status {self.proc.returncode}"
+            self._cond.notify_all()
+
+    def covers(self, name: str) -> bool:
+        return name in self.index
+
+    def order(self, names: list[str]) -> None:
+        """The save's order (its first request for each tensor): the process makes the rest in it."""
+        wanted = [n for n in dict.fromkeys(names) if n in self.index]
+        with self._cond:
+            done = sum(1 for n in self.names if all(self.made.get((n, p), -1) == self.w._slots[(n, p)][1] for p in self._parts(n)))
+        self.log(f"{done} of {len(self.names)} compressed tensors made ahead when the save began"
+                 + ("" if wanted == self.names else "; the rest in the save's order"))
+        if wanted != self.names:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps([self.index[n] for n in wanted]) + "\n")  # indices: well within a pipe's buffer
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass  # it ended: the save makes what is missing
+
+    def _parts(self, name: str) -> tuple[str, ...]:
+        return ("codes", "scales") if name in self.w.compressed else ("fp16",)
+
+    def _wait(self, key: tuple[str, str], pos: int) -> int | None:
+        """Bytes of ``key`` made once more than ``pos`` are; None if the process stopped first."""
+        with self._cond:
+            while self.made.get(key, 0) <= pos and self.stopped is None and not self.finished:
+                self._cond.wait()
+            got = self.made.get(key, 0)
+            return got if got > pos else None
+
+    def read(self, name: str, part: str, block_bytes: int, made_here: Callable[[], object]):
+        """The part's bytes from its slot, in blocks of ``block_bytes`` in two buffers taken in turn
+        (a block stays intact while the next is read, as ``mlirb.inflate`` needs); past where the
+        process stopped, ``made_here()``'s bytes. The slot is freed once read."""
+        offset, size = self.w._slots[(name, part)]
+        bufs = [np.empty(min(block_bytes, size), dtype=np.uint8) for _ in range(2)] if size else []
+        pos, i = 0, 0
+        while pos < size:
+            got = self._wait((name, part), pos)
+            if got is None:  # the rest made here, from the same bytes
+                yield from _skip(made_here(), pos)
+                break
+            n = min(block_bytes, got - pos)
+            view = memoryview(bufs[i % 2])[:n]
+            _pread_into(self.w._fd, view, offset + pos)
+            yield view
+            pos, i = pos + n, i + 1
+        _punch(self.w._fd, offset, size)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                if f is not None:
+                    f.close()
+            except OSError:
+                pass
+        self._reader.join(timeout=5)
+
+
+def _skip(chunks, skip: int):
+    """``chunks`` without their first ``skip`` bytes."""
+    for c in chunks:
+        c = memoryview(c).cast("B")
+        if skip >= len(c):
+            skip -= len(c)
+            continue
+        yield c[skip:]
+        skip = 0
+
+
+# ----------------------------------------------------------------------------- the process's side
+
+
+def _make(job: dict) -> None:
+    import torch
+
+    from ..errors import ClefError
+    from .quantize import Scheme
+    from .weights import TensorBlocks, TensorInfo, _pwrite
+
+    torch.set_num_threads(1)
+    # the trace is what the export waits for: it keeps its core, and this process takes what the
+    # shards' pin hashes leave of the other (9B int8, every tensor made ahead: trace 30.1 s at nice 0, 20.1 s at 10)
+    os.nice(NICE)
+    scheme = Scheme(*job["scheme"]) if job["scheme"] else None
+    blocks = TensorBlocks(Path(job["folder"]), scheme)
+    fd, tasks = int(job["fd"]), job["tasks"]
+    todo = list(range(len(tasks)))
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        while todo:
+            if select.select([sys.stdin], [], [], 0)[0]:  # the save's order: the rest in it
+                line = sys.stdin.readline()
+                if line.strip():
+                    rank = {i: r for r, i in enumerate(json.loads(line))}
+                    todo.sort(key=lambda i: rank.get(i, len(rank)))
+            i = todo.pop(0)
+            task = tasks[i]
+            t = TensorInfo(task["name"], task["file"], task["dtype"], tuple(task["shape"]), int(task["offset"]))
+            k = int(task["k"])
+            if "fp16" in task["slots"]:
+                at, pos = task["slots"]["fp16"][0], 0
+                for _r0, data in blocks._fp16_blocks(t, k):
+                    _pwrite(fd, data, at + pos)
+                    pos += len(data)
+                    say(f"{i} fp16 {pos}")
+                continue
+            (c_at, _), (s_at, _) = task["slots"]["codes"], task["slots"]["scales"]
+            c_pos = s_pos = 0
+            for _r0, codes, scales in blocks._code_blocks(t, k, packed=True):
+                c, s = memoryview(codes.numpy()).cast("B"), memoryview(scales.numpy()).cast("B")
+                _pwrite(fd, c, c_at + c_pos)
+                _pwrite(fd, s, s_at + s_pos)
+                c_pos, s_pos = c_pos + len(c), s_pos + len(s)
+                say(f"{i} codes {c_pos}")  # the scales are asked first, and whole: said at the tensor's end
+            say(f"{i} scales {s_pos}")
+        say("done")
+    except (ClefError, OSError, ValueError) as exc:
+        say(f"error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the build's parent reports Ctrl-C; this ends with the worker
+    die_with_parent(PARENT_ENV)  # the export worker: nothing is made for a build that is gone
+    try:
+        _make(json.loads(sys.argv[1]))
+    except BrokenPipeError:  # the worker is gone
+        pass
+    os._exit(0)
