@@ -7,8 +7,7 @@ makes each compressed tensor's codes and scales (``weights.TensorBlocks``: the s
 the same bytes) as soon as the weights are laid out, and writes them into the tensor's slots of
 the scratch file, holes until then that nothing reads before the save. The save reads each slot
 back, and the slot is punched out of the file once read: the disk holds only what the save has
-not yet written. (It can make fp16 tensors too; a build does not ask, ``start``
-says why.)
+not yet written. (Only the compressed tensors: ``start`` says why.)
 
 Protocol: the job is one JSON argument, the scratch file is the inherited descriptor it names.
 The process writes ``<index> <part> <bytes made>`` lines on stdout as it goes, and one ``error
@@ -37,6 +36,7 @@ PUNCH = 0x01 | 0x02  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 DISK_MARGIN = 1 << 30  # free bytes left beyond the scratch's worst case before this starts
 NICE = 10
 PARENT_ENV = "CLEF_AHEAD_PARENT_PID"
+PARTS = ("codes", "scales")  # what the process makes of each tensor
 
 
 def _punch(fd: int, offset: int, length: int) -> None:
@@ -54,31 +54,29 @@ def _punch(fd: int, offset: int, length: int) -> None:
 
 
 def _pread_into(fd: int, view: memoryview, offset: int) -> None:
+    """``view`` filled from ``offset`` of the file (``os.pread`` and a copy where Python lacks ``preadv``)."""
     while view:
-        got = os.preadv(fd, [view], offset) if hasattr(os, "preadv") else _pread_copy(fd, view, offset)
+        if hasattr(os, "preadv"):
+            got = os.preadv(fd, [view], offset)
+        else:
+            data = os.pread(fd, len(view), offset)
+            got = len(data)
+            view[:got] = data
         if not got:
             raise OSError(f"the scratch file ends at byte {offset}")
         view, offset = view[got:], offset + got
 
 
-def _pread_copy(fd: int, view: memoryview, offset: int) -> int:
-    data = os.pread(fd, len(view), offset)
-    view[:len(data)] = data
-    return len(data)
-
-
 def job_of(weights, names: list[str]) -> dict:
-    """The process's job: the release, the scratch file's descriptor, and each tensor's place in
-    the release and slots in the scratch file, in the order to make them."""
+    """The process's job: the release, the scratch file's descriptor, the scheme, and each
+    compressed tensor's place in the release and slots in the scratch file, in the order to make them."""
     tasks = []
     for n in names:
         t = weights.streamed[n]
-        parts = {p: list(weights._slots[(n, p)]) for p in (("codes", "scales") if n in weights.compressed else ("fp16",))}
         tasks.append({"name": n, "file": t.file, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
-                      "k": weights.exponents[n], "slots": parts})
-    sch = weights.scheme
+                      "k": weights.exponents[n], "slots": {p: list(weights._slots[(n, p)]) for p in PARTS}})
     return {"folder": str(weights.folder), "fd": weights._fd, "tasks": tasks,
-            "scheme": [sch.bits, sch.block] if sch is not None else None}
+            "scheme": [weights.scheme.bits, weights.scheme.block]}
 
 
 def start(weights, log: Callable[[str], None] = lambda m: None) -> bool:
@@ -150,7 +148,7 @@ class Ahead:
         """The save's order (its first request for each tensor): the process makes the rest in it."""
         wanted = [n for n in dict.fromkeys(names) if n in self.index]
         with self._cond:
-            done = sum(1 for n in self.names if all(self.made.get((n, p), -1) == self.w._slots[(n, p)][1] for p in self._parts(n)))
+            done = sum(1 for n in self.names if all(self.made.get((n, p), -1) == self.w._slots[(n, p)][1] for p in PARTS))
         self.log(f"{done} of {len(self.names)} compressed tensors made ahead when the save began"
                  + ("" if wanted == self.names else "; the rest in the save's order"))
         if wanted != self.names:
@@ -160,9 +158,6 @@ class Ahead:
                 self.proc.stdin.flush()
             except (BrokenPipeError, OSError):
                 pass  # it ended: the save makes what is missing
-
-    def _parts(self, name: str) -> tuple[str, ...]:
-        return ("codes", "scales") if name in self.w.compressed else ("fp16",)
 
     def _wait(self, key: tuple[str, str], pos: int) -> int | None:
         """Bytes of ``key`` made once more than ``pos`` are; None if the process stopped first."""
@@ -229,8 +224,7 @@ def _make(job: dict) -> None:
     # the trace is what the export waits for: it keeps its core, and this process takes what the
     # shards' pin hashes leave of the other (9B int8, every tensor made ahead: trace 30.1 s at nice 0, 20.1 s at 10)
     os.nice(NICE)
-    scheme = Scheme(*job["scheme"]) if job["scheme"] else None
-    blocks = TensorBlocks(Path(job["folder"]), scheme)
+    blocks = TensorBlocks(Path(job["folder"]), Scheme(*job["scheme"]))
     fd, tasks = int(job["fd"]), job["tasks"]
     todo = list(range(len(tasks)))
 
@@ -247,17 +241,9 @@ def _make(job: dict) -> None:
             i = todo.pop(0)
             task = tasks[i]
             t = TensorInfo(task["name"], task["file"], task["dtype"], tuple(task["shape"]), int(task["offset"]))
-            k = int(task["k"])
-            if "fp16" in task["slots"]:
-                at, pos = task["slots"]["fp16"][0], 0
-                for _r0, data in blocks._fp16_blocks(t, k):
-                    _pwrite(fd, data, at + pos)
-                    pos += len(data)
-                    say(f"{i} fp16 {pos}")
-                continue
             (c_at, _), (s_at, _) = task["slots"]["codes"], task["slots"]["scales"]
             c_pos = s_pos = 0
-            for _r0, codes, scales in blocks._code_blocks(t, k, packed=True):
+            for _r0, codes, scales in blocks._code_blocks(t, int(task["k"]), packed=True):
                 c, s = memoryview(codes.numpy()).cast("B"), memoryview(scales.numpy()).cast("B")
                 _pwrite(fd, c, c_at + c_pos)
                 _pwrite(fd, s, s_at + s_pos)

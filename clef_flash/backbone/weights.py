@@ -375,7 +375,6 @@ class Fp16Weights(TensorBlocks):
                     continue
                 if streamed and n > FOLD_MAX_VALUES:
                     self.streamed[name] = t
-                    self._slots[(name, "fp16")] = (at, n * 2)
                 else:
                     self._convert(t, fd, at, k)  # written with pwrite: no page fault per page of the mapping
                 self.arrays[name] = np.frombuffer(self._map, dtype=np.float16, count=n, offset=at).reshape(t.shape)
@@ -384,10 +383,10 @@ class Fp16Weights(TensorBlocks):
         except BaseException:
             os.close(fd)
             raise
-        if not self.streamed:
+        if not self.compressed.intersection(self.streamed):
             os.close(fd)
             fd = -1
-        self._fd = fd  # kept while tensors are streamed: ``ahead.start``'s process writes their slots through it
+        self._fd = fd  # kept while compressed tensors are streamed: ``ahead.start``'s process writes their slots through it
         self._ahead = None  # that process (``ahead.start``), if started
         log(f"{plural(len(infos), 'tensor')}, {self.fp16_bytes:,} fp16 bytes laid out"
             + (f", {len(self.compressed)} as {scheme.weights} codes per block of {scheme.block}" if self.compressed else "")
@@ -477,7 +476,8 @@ class Fp16Weights(TensorBlocks):
         the disk reads them while this one is converted, hashed and written. A hint only: where it
         is not offered, or fails, the tensor is read when it is asked."""
         t = self.streamed.get(name)
-        if t is None or name in self._prefetched or not hasattr(os, "posix_fadvise") or self._ahead is not None:
+        if t is None or name in self._prefetched or not hasattr(os, "posix_fadvise") \
+                or (self._ahead is not None and self._ahead.covers(name)):  # read back from the scratch file instead
             return
         self._prefetched.add(name)
         if self._hints is None:
