@@ -693,3 +693,28 @@ def test_the_process_makes_the_rest_in_the_saves_order(tmp_path):
                 assert os.pread(w._fd, size, off) == _made_here(w, n, p), (n, p)
     finally:
         w.close()
+
+
+def test_the_stitched_trace_writes_the_full_traces_asset(release, tmp_path):
+    """The build's default trace (one layer of each group, copied for the rest: ``stitch``) gives
+    the tiny release's int8 asset byte for byte what tracing every layer gives."""
+    from clef_flash.backbone.contract import read_text_config, weight_names
+    from clef_flash.backbone.export import export_job
+    from clef_flash.backbone.quantize import Scheme, compressed_names
+
+    cfg = read_text_config(release)
+    names = compressed_names(weight_names(cfg), Scheme(8, 32), [1])
+    digests, said = {}, {}
+    for stitched in (True, False):
+        d = tmp_path / str(stitched)
+        d.mkdir()
+        said[stitched] = []
+        job = {"source": str(release), "asset_dir": str(d / "a.aimodel"), "text_config": cfg.as_dict(), "chunk": 16,
+               "context": 64, "image_rows": 16, "compute": "fp16", "stitched": stitched,
+               "description": {"author": "t", "license": "t", "description": "t"},
+               "quantization": {"bits": 8, "block": 32, "tensors": names}}
+        export_job(job, said[stitched].append)
+        digests[stitched] = hashlib.sha256((d / "a.aimodel" / "main.mlirb").read_bytes()).hexdigest()
+    assert any(s.startswith("traced 3 layers of 4") for s in said[True]) and any("copied them to 4 layers" in s for s in said[True])
+    assert any(s.startswith("traced 4 layers") for s in said[False])
+    assert digests[True] == digests[False]

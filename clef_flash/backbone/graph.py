@@ -130,6 +130,13 @@ def delta_rule_chunk(q, k, v, beta, log_decay, state, consts: dict | None = None
     return o.transpose(0, 1)[None], new[None]
 
 
+class _Call(torch.nn.Module):
+    """Calls what it is handed: a module boundary for the trace's node tags, no state of its own."""
+
+    def forward(self, fn, *args):
+        return fn(*args)
+
+
 class DecoderChunk(torch.nn.Module):
     def __init__(self, cfg: TextConfig, chunking: Chunking, weights: dict[str, torch.Tensor], compute: str = "fp32",
                  key_block: int = KEY_BLOCK, exponents: dict[str, int] | None = None,
@@ -175,6 +182,10 @@ class DecoderChunk(torch.nn.Module):
         self.delta = delta_rule_constants(chunking.chunk)
         axes = torch.tensor(mrope_axes(cfg))
         self.on_h, self.on_w = axes == 1, axes == 2  # [rot/2]: the frequencies that read h, w (else t)
+        # each layer called through a module of its own: the trace tags the layer's nodes with it
+        # (``nn_module_stack``), which ``stitch`` reads; ``only``: the layers a template trace runs
+        self.blocks = torch.nn.ModuleList(_Call() for _ in cfg.layer_types)
+        self.only: frozenset[int] | None = None
 
     def _get(self, name: str) -> torch.Tensor:
         return getattr(self, self._buffer[name]) if name in self._buffer else self.w[name]
@@ -242,18 +253,23 @@ class DecoderChunk(torch.nn.Module):
         full_idx = {layer: n for n, layer in enumerate(cfg.full_layers)}
         lin_idx = {layer: n for n, layer in enumerate(cfg.linear_layers)}
         for i, kind in enumerate(cfg.layer_types):
-            p = f"{LM}layers.{i}."
-            h = self._norm(x, p + "input_layernorm.weight")
-            if kind == "full_attention":
-                h = self._full(h, p + "self_attn.", full_idx[i], pos, cos, sin, bias, keyCache, valueCache)
-            else:
-                h = self._linear(h, p + "linear_attn.", lin_idx[i], convState, recState)
-            x = x + h
-            h = self._norm(x, p + "post_attention_layernorm.weight")
-            m = p + "mlp."
-            x = x + self._lin(F.silu(self._lin(h, m + "gate_proj.weight")) * self._lin(h, m + "up_proj.weight"),
-                              m + "down_proj.weight")
+            if self.only is None or i in self.only:
+                n = full_idx[i] if kind == "full_attention" else lin_idx[i]
+                x = self.blocks[i](self._layer, i, kind, n, x, pos, cos, sin, bias, keyCache, valueCache, convState, recState)
         return self._norm(x, f"{LM}norm.weight")
+
+    def _layer(self, i, kind, n, x, pos, cos, sin, bias, keyCache, valueCache, convState, recState):  # noqa: N803
+        p = f"{LM}layers.{i}."
+        h = self._norm(x, p + "input_layernorm.weight")
+        if kind == "full_attention":
+            h = self._full(h, p + "self_attn.", n, pos, cos, sin, bias, keyCache, valueCache)
+        else:
+            h = self._linear(h, p + "linear_attn.", n, convState, recState)
+        x = x + h
+        h = self._norm(x, p + "post_attention_layernorm.weight")
+        m = p + "mlp."
+        return x + self._lin(F.silu(self._lin(h, m + "gate_proj.weight")) * self._lin(h, m + "up_proj.weight"),
+                             m + "down_proj.weight")
 
     def _full(self, x, a, n, pos, cos, sin, bias, keyCache, valueCache):  # noqa: N803
         cfg, S = self.cfg, self.ch.chunk
