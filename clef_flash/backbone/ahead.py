@@ -216,12 +216,11 @@ def _skip(chunks, skip: int):
 def _make(job: dict) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    import numpy as np
     import torch
 
     from ..errors import ClefError
     from .quantize import Scheme
-    from .weights import _ITEMSIZE, TensorBlocks, TensorInfo, _pwrite, _will_need
+    from .weights import TensorBlocks, TensorInfo, _pwrite, _will_need
 
     torch.set_num_threads(1)
     # the trace is what the export waits for: it keeps its core, and this process takes what the
@@ -231,6 +230,7 @@ def _make(job: dict) -> None:
     blocks = TensorBlocks(Path(job["folder"]), Scheme(*job["scheme"]))
     fd, tasks = int(job["fd"]), job["tasks"]
     todo = list(range(len(tasks)))
+    infos = [TensorInfo(task["name"], task["file"], task["dtype"], tuple(task["shape"]), int(task["offset"])) for task in tasks]
     hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-ahead-hint")  # a hint can block on the disk's queue
 
     def say(line: str) -> None:
@@ -244,12 +244,10 @@ def _make(job: dict) -> None:
                     rank = {i: r for r, i in enumerate(json.loads(line))}
                     todo.sort(key=lambda i: rank.get(i, len(rank)))
             i = todo.pop(0)
-            task = tasks[i]
-            t = TensorInfo(task["name"], task["file"], task["dtype"], tuple(task["shape"]), int(task["offset"]))
+            task, t = tasks[i], infos[i]
             if todo:  # the next tensor read from disk while this one is made (9B int8 from a cold cache: 52.1 -> 46.5 s)
-                nxt = tasks[todo[0]]
-                hints.submit(_will_need, Path(job["folder"]) / nxt["file"], int(nxt["offset"]),
-                             int(np.prod(nxt["shape"])) * _ITEMSIZE[nxt["dtype"]])
+                nxt = infos[todo[0]]
+                hints.submit(_will_need, blocks.folder / nxt.file, nxt.offset, nxt.nbytes)
             (c_at, _), (s_at, _) = task["slots"]["codes"], task["slots"]["scales"]
             c_pos = s_pos = 0
             for _r0, codes, scales in blocks._code_blocks(t, int(task["k"]), packed=True):

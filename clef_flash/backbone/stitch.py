@@ -49,8 +49,8 @@ def templates(module) -> dict[int, int]:
 
 
 def state_index(cfg, i: int) -> int:
-    kind = cfg.layer_types[i]
-    return [j for j, k in enumerate(cfg.layer_types) if k == kind].index(i)
+    """Layer i's slot in its kind's states (what ``DecoderChunk`` passes it as ``n``)."""
+    return (cfg.full_layers if cfg.layer_types[i] == "full_attention" else cfg.linear_layers).index(i)
 
 
 _BLOCK = re.compile(r"(?:^|\.)blocks\.(\d+)$")
@@ -114,7 +114,7 @@ def stitch(tep, module):
 
     # the nodes of each traced layer, and what comes before and after them
     blocks: dict[int, list] = {t: [] for t in traced}
-    prologue, epilogue, where = [], [], {}
+    prologue, epilogue, block_of_node = [], [], {}
     for n in graph.nodes:
         if n.op in ("placeholder", "output"):
             continue
@@ -127,7 +127,7 @@ def stitch(tep, module):
             raise StitchError("the traced layers' nodes are not in one run each, in order")
         else:
             blocks[b].append(n)
-        where[n] = b
+        block_of_node[n] = b
     if not all(blocks.values()):
         raise StitchError("a traced layer has no nodes")
 
@@ -167,7 +167,7 @@ def stitch(tep, module):
                     continue
                 if n in versions.writes and n.args[2] is a and a not in n.args[:2]:
                     eq = n.args[0]
-                    if getattr(eq.target, "__name__", "") != "eq.Scalar" or eq.args[1] != n_t or where.get(eq) != t:
+                    if getattr(eq.target, "__name__", "") != "eq.Scalar" or eq.args[1] != n_t or block_of_node.get(eq) != t:
                         raise StitchError(f"layer {t} writes a state other than through eq(slots, {n_t})")
                     slot_args[eq] = 1
                 elif getattr(n.target, "__name__", "") == "select.int" and n.args[0] is a and n.args[1:] == (0, n_t):
@@ -191,6 +191,7 @@ def stitch(tep, module):
                 if tuple(module.w[name].shape) != tuple(c.shape):
                     raise StitchError(f"constant {spec.target} is part of {name}")
                 weight_of[spec.arg.name] = name
+    owner = {p: layer_of_name(w.split("#")[0]) for p, w in weight_of.items()}  # placeholder -> its weight's layer
 
     def swap(w: str, t: int, i: int) -> str:
         return w.replace(f"{LM}layers.{t}.", f"{LM}layers.{i}.", 1)
@@ -200,13 +201,12 @@ def stitch(tep, module):
     for i, t in tmpl.items():
         for n in blocks[t]:
             for a in n.all_input_nodes:
-                w = weight_of.get(a.name) if a.op == "placeholder" else None
-                if w is None or layer_of_name(w.split("#")[0]) != t:
-                    if a.op == "placeholder" and w is not None:
-                        raise StitchError(f"layer {t} reads {w}, another layer's weight")
+                if a.op != "placeholder" or a.name not in weight_of:
                     continue
+                if owner[a.name] != t:
+                    raise StitchError(f"layer {t} reads {weight_of[a.name]}, another layer's weight")
                 if i != t and spec_of[a.name].kind == InputKind.CONSTANT_TENSOR:
-                    extra.setdefault(swap(w, t, i), a)
+                    extra.setdefault(swap(weight_of[a.name], t, i), a)
     for w in extra:
         if w not in module.w:
             raise StitchError(f"no {w} for the copy of its layer")
@@ -234,7 +234,8 @@ def stitch(tep, module):
     for n in prologue:
         env[n] = new.node_copy(n, lambda a: env[a])
 
-    state = {s: env[next(p for p in placeholders if p.name == s)] for s in set(versions.of.values())}
+    by_name = {p.name: p for p in placeholders}
+    state = {s: env[by_name[s]] for s in set(versions.of.values())}
     x = env[x_in[traced[0]]]
     for i in range(len(cfg.layer_types)):
         t = tmpl[i]
@@ -248,7 +249,7 @@ def stitch(tep, module):
                 return x
             if a in versions.of:
                 return state[versions.of[a]]
-            if a.op == "placeholder" and a.name in weight_of and layer_of_name(weight_of[a.name].split("#")[0]) == t:
+            if a.op == "placeholder" and owner.get(a.name) == t:
                 mine = swap(weight_of[a.name], t, i)
                 if mine not in node_of_weight:
                     raise StitchError(f"layer {i} has no {mine} for its copy of layer {t}")
