@@ -666,27 +666,63 @@ def test_no_bytes_made_ahead_where_the_disk_cannot_hold_them(tmp_path, monkeypat
         w.close()
 
 
-def test_the_process_makes_the_rest_in_the_saves_order(tmp_path):
-    """The process starts in the order the converter is expected to ask (the names reversed); the
-    save's own order, sent on its stdin, is the order it makes the rest in."""
+def test_a_compressed_build_of_a_tampered_shard_fails_on_its_pin(release, tmp_path):
+    """A compressed build's shards are hashed by the process that reads them for their codes: a shard
+    one bit away from its pin still fails the build, named, after the export, and nothing lands."""
+    import shutil
+
+    rel = tmp_path / "rel"
+    shutil.copytree(release, rel)
+    shard = sorted(rel.glob("*.safetensors"))[-1]
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 1
+    shard.write_bytes(bytes(data))
+    out = tmp_path / "out"
+    res = runner.invoke(app, ["build", str(_recipe(tmp_path, "int8", "fp16")), "--source", str(rel), "--out", str(out), "--no-verify"])
+    assert res.exit_code == 3 and f"{shard.name}: sha256 mismatch" in res.output, res.output[-2000:]
+    assert "hashed from the reads that made the codes" in res.output
+    assert not out.exists() or not [p for p in out.iterdir() if not p.name.endswith(".lock")]
+
+
+def test_the_process_reads_the_shards_in_the_saves_order_and_hashes_them(tmp_path):
+    """The process reads each shard once, start to end (``sweep``): the shard holding the tensor the
+    save asks for first comes first (its order arrives on stdin), a shard's tensors in file order, a
+    shard with nothing compressed last. Every shard asked for is hashed from that read, and the
+    digests are the files' sha256."""
     import json as js
     import subprocess
     import sys
+
+    import torch
+    from safetensors.torch import save_file
 
     from clef_flash.backbone.ahead import job_of
     from clef_flash.backbone.quantize import Scheme
     from clef_flash.backbone.weights import load_weights
 
+    g = torch.Generator().manual_seed(5)
+    shards = {"s1.safetensors": ("a.weight", "b.weight"), "s2.safetensors": ("c.weight",), "s3.safetensors": ("n.weight",)}
+    for shard, names in shards.items():
+        save_file({n: (torch.randn(96, 64, generator=g) * 0.02).to(torch.bfloat16) for n in names}, str(tmp_path / shard))
+    (tmp_path / "model.safetensors.index.json").write_text(js.dumps({"weight_map": {n: s for s, ns in shards.items() for n in ns}}))
+    wanted = {n: (96, 64) for ns in shards.values() for n in ns}
     names = ("a.weight", "b.weight", "c.weight")
-    folder, wanted = _one_tensor(tmp_path, names=names)
-    w = load_weights(folder, wanted, tmp_path, streamed=True, scheme=Scheme(8, 32), compressed=list(names))
+    w = load_weights(tmp_path, wanted, tmp_path, streamed=True, scheme=Scheme(8, 32), compressed=list(names))
     try:
-        job = job_of(w, ["c.weight", "b.weight", "a.weight"])
+        job = job_of(w, ["c.weight", "b.weight", "a.weight"], hashed=list(shards))
         res = subprocess.run([sys.executable, "-m", "clef_flash.backbone.ahead", js.dumps(job)], input="[2, 0, 1]\n",
                              capture_output=True, text=True, pass_fds=(w._fd,), timeout=120, check=True)
-        lines = res.stdout.split("\n")
-        made = [int(ln.split()[0]) for ln in lines if ln and ln.split()[0].isdigit()]
-        assert list(dict.fromkeys(made)) == [2, 0, 1] and lines[-2] == "done", res.stdout
+        lines = [ln for ln in res.stdout.split("\n") if ln]
+        events = [("sha", js.loads(ln[4:])[0]) if ln.startswith("sha ") else ("made", int(ln.split()[0]))
+                  for ln in lines if ln.startswith("sha ") or ln.split()[0].isdigit()]
+        order = list(dict.fromkeys(events))
+        # a (task 2) is asked first: its shard s1, a then b (file order), then s2 (c), then s3 (nothing compressed)
+        assert order == [("made", 2), ("made", 1), ("sha", "s1.safetensors"), ("made", 0), ("sha", "s2.safetensors"),
+                         ("sha", "s3.safetensors")] and lines[-1] == "done", res.stdout
+        for ln in lines:
+            if ln.startswith("sha "):
+                shard, digest = js.loads(ln[4:])
+                assert digest == hashlib.sha256((tmp_path / shard).read_bytes()).hexdigest(), shard
         for n in names:
             for p in ("scales", "codes"):
                 off, size = w._slots[(n, p)]

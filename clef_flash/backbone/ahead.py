@@ -9,12 +9,19 @@ the scratch file, holes until then that nothing reads before the save. The save 
 back, and the slot is punched out of the file once read: the disk holds only what the save has
 not yet written. (Only the compressed tensors: ``start`` says why.)
 
+The process reads each shard once, start to end, with ``O_DIRECT`` (``sweep``): the same read
+gives the compressed tensors' rows and the shard's sha256 for its pin (the build's worker passes
+those on; the pins' own thread no longer reads the release a second time through the page cache,
+which cost the 9B build 20.7 s of kernel CPU).
+
 Protocol: the job is one JSON argument, the scratch file is the inherited descriptor it names.
-The process writes ``<index> <part> <bytes made>`` lines on stdout as it goes, and one ``error
-<text>`` line if it stops; the save's order, once the converter has fixed it, reaches it as one
-JSON list of task indices on stdin, and it makes the rest in that order. If it stops early (an
-error, a kill), the save makes what is missing itself, from the byte where the process stopped:
-whatever happens here, ``main.mlirb`` is the same bytes.
+The process writes ``<index> <part> <bytes made>`` lines on stdout as it goes, ``sha ["<shard>",
+"<sha256>"]`` after each shard it was asked to hash, and one ``error <text>`` line if it stops;
+the save's order, once the converter has fixed it, reaches it as one JSON list of task indices on
+stdin, and it reads the shards left in that order (the one holding the first tensor the save
+waits for first; a shard's tensors in file order). If it stops early (an error, a kill), the save
+makes what is missing itself, from the byte where the process stopped, and the worker hashes the
+shards it did not report: whatever happens here, ``main.mlirb`` is the same bytes.
 """
 
 from __future__ import annotations
@@ -67,23 +74,28 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[got:], offset + got
 
 
-def job_of(weights, names: list[str]) -> dict:
-    """The process's job: the release, the scratch file's descriptor, the scheme, and each
-    compressed tensor's place in the release and slots in the scratch file, in the order to make them."""
+def job_of(weights, names: list[str], hashed=()) -> dict:
+    """The process's job: the release, the scratch file's descriptor, the scheme, each compressed
+    tensor's place in the release and slots in the scratch file, in the order to make them, and the
+    shards whose sha256 it takes on the way (``hashed``)."""
     tasks = []
     for n in names:
         t = weights.streamed[n]
         tasks.append({"name": n, "file": t.file, "dtype": t.dtype, "shape": list(t.shape), "offset": t.offset,
                       "k": weights.exponents[n], "slots": {p: list(weights._slots[(n, p)]) for p in PARTS}})
     return {"folder": str(weights.folder), "fd": weights._fd, "tasks": tasks,
-            "scheme": [weights.scheme.bits, weights.scheme.block]}
+            "scheme": [weights.scheme.bits, weights.scheme.block], "hash": sorted(hashed)}
 
 
-def start(weights, log: Callable[[str], None] = lambda m: None) -> bool:
+def start(weights, log: Callable[[str], None] = lambda m: None, hashed=()) -> "Ahead | None":
     """Start making the compressed tensors' codes and scales of ``weights`` (``Fp16Weights``,
     streamed) in a process of their own while the graph is traced; its ``stream`` then reads them
-    back. False where there are none, or where the disk could not hold them beside the asset (each
+    back. None where there are none, or where the disk could not hold them beside the asset (each
     slot is freed once the save has read it, but a file system without hole punching keeps them all).
+
+    The process reads each shard once, start to end (``sweep``), and takes the sha256 of those in
+    ``hashed`` from the same read (``Ahead.digests``): the pins' hashes no longer read the release
+    a second time.
 
     Only the compressed ones: the quantizer is the save's CPU (9B int8: 23.6 s of its 34.8 s),
     and its bytes are 0.6x fp16. An fp16 tensor's conversion is cheap and its bytes are what the
@@ -92,31 +104,32 @@ def start(weights, log: Callable[[str], None] = lambda m: None) -> bool:
 
     names = sorted((n for n in weights.streamed if n in weights.compressed), reverse=True)
     if not names or weights._ahead is not None:
-        return False
+        return None
     need = sum(size for (n, _p), (_off, size) in weights._slots.items() if n in names)
     free = shutil.disk_usage(weights._dir).free
     if free < 2 * need + DISK_MARGIN:
         log(f"{weights._dir}: {free / 1e9:.1f} GB free, {2 * need / 1e9:.1f} GB would hold the weights made ahead "
             "and the asset: made while the asset is written instead")
-        return False
+        return None
     # the order the converter gives them in (the reverse of the names' order, measured), until the save says
-    weights._ahead = Ahead(weights, names, log)
-    return True
+    weights._ahead = Ahead(weights, names, log, hashed)
+    return weights._ahead
 
 
 class Ahead:
     """The parent's side: starts the process, follows its progress, and reads each slot back."""
 
-    def __init__(self, weights, names: list[str], log: Callable[[str], None] = lambda m: None) -> None:
+    def __init__(self, weights, names: list[str], log: Callable[[str], None] = lambda m: None, hashed=()) -> None:
         self.w = weights
         self.log = log
         self.names = list(names)
         self.index = {n: i for i, n in enumerate(self.names)}
         self.made: dict[tuple[str, str], int] = {}  # (name, part) -> bytes made
+        self.hashed: dict[str, str] = {}  # shard -> sha256, as the process reads them
         self.stopped: str | None = None  # why the process ended before making everything
         self.finished = False
         self._cond = threading.Condition()
-        self.proc = subprocess.Popen([sys.executable, "-m", "clef_flash.backbone.ahead", json.dumps(job_of(weights, self.names))],
+        self.proc = subprocess.Popen([sys.executable, "-m", "clef_flash.backbone.ahead", json.dumps(job_of(weights, self.names, hashed))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      pass_fds=(weights._fd,), text=True, env={**os.environ, PARENT_ENV: str(os.getpid())})
         self._reader = threading.Thread(target=self._follow, name="clef-ahead", daemon=True)
@@ -131,6 +144,9 @@ class Ahead:
                     self.stopped = rest
                 elif head == "done":
                     self.finished = True
+                elif head == "sha":
+                    shard, digest = json.loads(rest)
+                    self.hashed[shard] = digest
                 else:
                     part, _, n = rest.partition(" ")
                     self.made[(self.names[int(head)], part)] = int(n)
@@ -141,6 +157,14 @@ class Ahead:
                 self.stopped = f"it exited with status {self.proc.returncode}"
             self._cond.notify_all()
 
+    def digests(self) -> dict[str, str]:
+        """The shards' sha256 the process took, once it has read them all or stopped (the save may
+        end before it has read a shard nothing compressed lies in)."""
+        with self._cond:
+            while self.stopped is None and not self.finished:
+                self._cond.wait()
+            return dict(self.hashed)
+
     def covers(self, name: str) -> bool:
         return name in self.index
 
@@ -150,7 +174,7 @@ class Ahead:
         with self._cond:
             done = sum(1 for n in self.names if all(self.made.get((n, p), -1) == self.w._slots[(n, p)][1] for p in PARTS))
         self.log(f"{done} of {len(self.names)} compressed tensors made ahead when the save began"
-                 + ("" if wanted == self.names else "; the rest in the save's order"))
+                 + ("" if wanted == self.names else "; the shards left read in the save's order"))
         if wanted != self.names:
             try:
                 assert self.proc.stdin is not None
@@ -214,49 +238,67 @@ def _skip(chunks, skip: int):
 
 
 def _make(job: dict) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
     import torch
 
     from ..errors import ClefError
     from .quantize import Scheme
-    from .weights import TensorBlocks, TensorInfo, _pwrite, _will_need
+    from .sweep import Sweep
+    from .weights import TensorBlocks, TensorInfo, _pwrite
 
     torch.set_num_threads(1)
-    # the trace is what the export waits for: it keeps its core, and this process takes what the
-    # shards' pin hashes leave of the other (9B int8, every tensor made ahead: trace 30.1 s at nice 0, 20.1 s at 10;
-    # with the stitched trace, 34.6-34.9 s warm at nice 0, 5 and 10 alike, and cold 49.5 s at 0 against 46.5 s at 10)
+    # the trace is what the export waits for: it keeps its core, and this process takes what is left of the other
+    # (9B int8, every tensor made ahead: trace 30.1 s at nice 0, 20.1 s at 10; with the stitched trace,
+    # 34.6-34.9 s warm at nice 0, 5 and 10 alike, and cold 49.5 s at 0 against 46.5 s at 10)
     os.nice(NICE)
-    blocks = TensorBlocks(Path(job["folder"]), Scheme(*job["scheme"]))
+    folder = Path(job["folder"])
+    blocks = TensorBlocks(folder, Scheme(*job["scheme"]))
     fd, tasks = int(job["fd"]), job["tasks"]
-    todo = list(range(len(tasks)))
     infos = [TensorInfo(task["name"], task["file"], task["dtype"], tuple(task["shape"]), int(task["offset"])) for task in tasks]
-    hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="clef-ahead-hint")  # a hint can block on the disk's queue
+    hashed = set(job.get("hash", ()))
+    mine: dict[str, list[int]] = {}  # shard -> its tasks
+    for i, t in enumerate(infos):
+        mine.setdefault(t.file, []).append(i)
+    files = list(dict.fromkeys([t.file for t in infos] + sorted(hashed)))
+    rank = {i: i for i in range(len(tasks))}
 
     def say(line: str) -> None:
         print(line, flush=True)
 
+    def reorder() -> None:
+        if select.select([sys.stdin], [], [], 0)[0]:  # the save's order: the shards left in it
+            line = sys.stdin.readline()
+            if line.strip():
+                rank.clear()
+                rank.update({i: r for r, i in enumerate(json.loads(line))})
+
+    def first_need(f: str) -> tuple[int, int]:  # a shard only hashed comes after those the save waits for
+        return min((rank.get(i, len(tasks)) for i in mine.get(f, ())), default=len(tasks) + 1), files.index(f)
+
+    def make(i: int, rows) -> None:
+        task, t = tasks[i], infos[i]
+        (c_at, _), (s_at, _) = task["slots"]["codes"], task["slots"]["scales"]
+        c_pos = s_pos = 0
+        for _r0, codes, scales in blocks._code_blocks(t, int(task["k"]), packed=True, row_blocks=rows):
+            c, s = memoryview(codes.numpy()).cast("B"), memoryview(scales.numpy()).cast("B")
+            _pwrite(fd, c, c_at + c_pos)
+            _pwrite(fd, s, s_at + s_pos)
+            c_pos, s_pos = c_pos + len(c), s_pos + len(s)
+            say(f"{i} codes {c_pos}")  # the scales are asked first, and whole: said at the tensor's end
+        say(f"{i} scales {s_pos}")
+
     try:
-        while todo:
-            if select.select([sys.stdin], [], [], 0)[0]:  # the save's order: the rest in it
-                line = sys.stdin.readline()
-                if line.strip():
-                    rank = {i: r for r, i in enumerate(json.loads(line))}
-                    todo.sort(key=lambda i: rank.get(i, len(rank)))
-            i = todo.pop(0)
-            task, t = tasks[i], infos[i]
-            if todo:  # the next tensor read from disk while this one is made (9B int8 from a cold cache: 52.1 -> 46.5 s)
-                nxt = infos[todo[0]]
-                hints.submit(_will_need, blocks.folder / nxt.file, nxt.offset, nxt.nbytes)
-            (c_at, _), (s_at, _) = task["slots"]["codes"], task["slots"]["scales"]
-            c_pos = s_pos = 0
-            for _r0, codes, scales in blocks._code_blocks(t, int(task["k"]), packed=True):
-                c, s = memoryview(codes.numpy()).cast("B"), memoryview(scales.numpy()).cast("B")
-                _pwrite(fd, c, c_at + c_pos)
-                _pwrite(fd, s, s_at + s_pos)
-                c_pos, s_pos = c_pos + len(c), s_pos + len(s)
-                say(f"{i} codes {c_pos}")  # the scales are asked first, and whole: said at the tensor's end
-            say(f"{i} scales {s_pos}")
+        left = list(files)
+        while left:
+            reorder()
+            f = min(left, key=first_need)
+            left.remove(f)
+            ids = mine.get(f, [])
+            with Sweep(folder / f, [infos[i] for i in ids], hashed=f in hashed) as sweep:
+                for j, rows in sweep.tensors():
+                    make(ids[j], rows)
+                    reorder()
+            if f in hashed:
+                say("sha " + json.dumps([f, sweep.digest]))
         say("done")
     except (ClefError, OSError, ValueError) as exc:
         say(f"error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

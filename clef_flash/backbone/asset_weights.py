@@ -1,7 +1,10 @@
 """Every weight in a saved backbone asset against the release's tensor, streamed: the gate's check
 that needs no runtime, so it runs at any size (the 9B included) in a few MB of memory.
 
-The release side: each tensor of two or more dimensions read from its shard in row blocks,
+The release side: each tensor of two or more dimensions read from its shard in row blocks
+(beside a compressed build's export, whose own read of the release bypasses the page cache, with
+``O_DIRECT`` too, ``sweep.tensor_rows``: through the cache it cost the kernel 12.4 s of the two
+cores' CPU at 9B; beside an fp16 export, which reads the release through the cache, from there),
 converted here with numpy (bf16 -> fp32 by a shift, times ``2**k`` for the fp32-compute recipes
 with ``k`` by the build's rule ``weights.scale_exponent``, rounded to fp16; numpy, not the build's
 torch path), and hashed as fp16 bytes; a small tensor also as those fp16 values widened to fp32 (the Core AI compiler folds the
@@ -35,10 +38,12 @@ import numpy as np
 
 from ..errors import IntegrityError
 from ..formats.mlirb import Blob, BytecodeError, Written, digests
+from .sweep import tensor_rows
 from .weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
 from ..progress import plural
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side
+_RELEASE_PIECE = 8 << 20  # the release's bytes read at a time, four in flight a thread (``sweep``)
 # the fp32 form is hashed for tensors up to FOLD_MAX_VALUES values: the compiler folds the cast of
 # fp16 constants up to about 131,072 values (measured); a larger folded one fails here, never passes
 
@@ -106,8 +111,8 @@ class _Tiles:
     (``weights.as_f32``) into a buffer reused from tile to tile: fresh 64 MB arrays per block cost
     the gate more in page faults than its arithmetic."""
 
-    def __init__(self, folder: Path, t: TensorInfo, stop=None) -> None:
-        self.folder, self.t, self.stop = folder, t, stop
+    def __init__(self, folder: Path, t: TensorInfo, stop=None, direct: bool = False) -> None:
+        self.folder, self.t, self.stop, self.direct = folder, t, stop, direct
         self.cols = int(np.prod(t.shape[1:]))
         self.rows = max(1, _TILE // self.cols)
         self.f32 = np.empty(self.rows * self.cols, np.float32)
@@ -116,7 +121,8 @@ class _Tiles:
     def __call__(self, scale: np.float32 | None = None):
         t, f32 = self.t, self.f32
         src = {"BF16": "<u2", "F16": "<f2", "F32": "<f4"}[t.dtype]
-        for _, _, raw in raw_blocks(self.folder, t, _BLOCK):
+        rows = tensor_rows(self.folder, t, _RELEASE_PIECE) if self.direct else raw_blocks(self.folder, t, _BLOCK)
+        for _, _, raw in rows:
             if self.stop is not None and self.stop.is_set():
                 raise _Stopped
             values = raw.view(src)
@@ -141,8 +147,8 @@ class _Stopped(Exception):
     """A release side stopped before its end (``ReleaseSide.stop``)."""
 
 
-def expected(folder: Path, t: TensorInfo, scaled: bool, scheme=None, stop=None) -> Expected:
-    tiles = _Tiles(Path(folder), t, stop)
+def expected(folder: Path, t: TensorInfo, scaled: bool, scheme=None, stop=None, direct: bool = False) -> Expected:
+    tiles = _Tiles(Path(folder), t, stop, direct)
     k = scale_exponent(tiles.top()) if scaled else 0
     scale = np.float32(2.0 ** k) if k else None
     if scheme is not None:  # compressed: the codes and scales by the gate's own (numpy) rule
@@ -174,10 +180,11 @@ class ReleaseSide:
     and the gate joins it with more threads (``result``); it reads only the release, so it needs
     nothing of the asset. ``stop()`` ends it early (a failed or interrupted build)."""
 
-    def __init__(self, folder: Path, infos: dict[str, TensorInfo], scaled: bool, scheme=None, compressed=()) -> None:
+    def __init__(self, folder: Path, infos: dict[str, TensorInfo], scaled: bool, scheme=None, compressed=(),
+                 direct: bool = False) -> None:
         import threading
 
-        self.folder, self.scaled, self.scheme = Path(folder), scaled, scheme
+        self.folder, self.scaled, self.scheme, self.direct = Path(folder), scaled, scheme, direct
         self.compressed = set(compressed)
         self.big = sorted((t for t in infos.values() if len(t.shape) >= 2), key=lambda t: (t.file, t.offset))
         self._results: list[Expected | None] = [None] * len(self.big)
@@ -207,7 +214,7 @@ class ReleaseSide:
             t = self.big[i]
             try:
                 self._results[i] = expected(self.folder, t, self.scaled,
-                                            self.scheme if t.name in self.compressed else None, self._stop)
+                                            self.scheme if t.name in self.compressed else None, self._stop, self.direct)
             except _Stopped:
                 return
             except BaseException as exc:  # noqa: BLE001 (re-raised by result())

@@ -221,6 +221,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     from ..formats.mlirb import MissingPlaceholders
     from ..errors import ToolchainError
     from .ahead import start as start_ahead
+    from .files import BackgroundHashes
     from .contract import check_contract, weight_names
     from .graph import DecoderChunk, ImageDecoderChunk
     from .quantize import Scheme
@@ -258,10 +259,13 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
             streamed[scales.data_ptr()] = (f"{n}#scales", scales.numel() * 2)
         else:
             streamed[tensors[n].data_ptr()] = (n, tensors[n].numel() * 2)
+    to_hash = list(job.get("hash_shards") or ())  # the plan's deferred shards, hashed here (the parent checks them)
+    ahead = hashes = None
     try:
         release_freed_memory()
         if job.get("ahead", True) and weights.streamed:  # their bytes made on the other core while this one traces
-            start_ahead(weights, log)
+            ahead = start_ahead(weights, log, hashed=to_hash)
+        hashes = BackgroundHashes(source, to_hash) if to_hash and ahead is None else None
         t_weights = time.perf_counter() - t0
         state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
         try:
@@ -289,9 +293,29 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
             raise ToolchainError(f"{asset_dir}: the compiler folded or inlined {lost[0]}" + (f" (+{len(lost) - 1} more)" if len(lost) > 1 else "")
                                  + "; a streamed tensor's bytes would be lost") from None
         t_save = time.perf_counter() - t0
+        shards = _shard_digests(source, to_hash, ahead, hashes, log) if to_hash else {}
     finally:
+        if hashes is not None:
+            hashes.stop()
         weights.close()  # the process making bytes ahead ends with it, on every path
     fp16_bytes = weights.fp16_bytes
     return {"weights": t_weights, "trace": t_trace, "convert": t_convert, "save": t_save,
             "weight_fp16_bytes": fp16_bytes, "scaled_tensors": sum(1 for k in weights.exponents.values() if k),
-            "written": written.as_json()}  # the gate's proof of main.mlirb's blobs by one hash of the file
+            "written": written.as_json(),  # the gate's proof of main.mlirb's blobs by one hash of the file
+            **({"shards": shards} if to_hash else {})}
+
+
+def _shard_digests(source: Path, names: list[str], ahead, hashes, log: Callable[[str], None]) -> dict[str, str]:
+    """The shards' sha256: from the reads that made the codes (``ahead``), or from the thread that
+    hashed them beside the export; any the process did not reach (it stopped) hashed here."""
+    from ..digest import sha256_file
+
+    t0 = time.perf_counter()
+    got = ahead.digests() if ahead is not None else hashes.digests()
+    missing = [n for n in names if n not in got]
+    for n in missing:
+        got[n] = sha256_file(source / n)
+    how = "from the reads that made the codes" if ahead is not None else "beside the export"
+    log(f"{plural(len(names) - len(missing), 'shard')} hashed {how}" + (f", {len(missing)} after it" if missing else "")
+        + f" ({time.perf_counter() - t0:.1f} s waited)")
+    return {n: got[n] for n in names}

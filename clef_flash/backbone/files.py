@@ -64,15 +64,15 @@ def compare(source: Path, pins: Pins, actual: dict[str, str]) -> None:
 
 class BackgroundHashes:
     """The shards' sha256 taken in a thread while the export runs (the trace is one core of Python;
-    this is the other). ``result()`` joins it and raises ``IntegrityError`` naming a shard that fails
-    its pin, so nothing lands from a release whose weights are not the pinned ones; ``stop()`` ends
-    it early when the build fails for another reason. Reading unverified weights is harmless: they
-    are data, nothing of the release is executed, and the bundle is published only after this."""
+    this is the other). ``digests()`` joins it (``compare`` then checks them against the pins, so
+    nothing lands from a release whose weights are not the pinned ones); ``stop()`` ends it early
+    when the build fails for another reason. Reading unverified weights is harmless: they are data,
+    nothing of the release is executed, and the bundle is published only after the check."""
 
-    def __init__(self, source: Path, pins: Pins, names: list[str]) -> None:
+    def __init__(self, source: Path, names: list[str]) -> None:
         import threading
 
-        self.source, self.pins, self.names = source, pins, names
+        self.source, self.names = source, names
         self._stop = threading.Event()
         self._done: dict[str, str] = {}
         self._error: BaseException | None = None
@@ -94,18 +94,17 @@ class BackgroundHashes:
                 if self._stop.is_set():
                     return
                 self._done[name] = h.hexdigest()
-        except BaseException as exc:  # noqa: BLE001 (re-raised in result())
+        except BaseException as exc:  # noqa: BLE001 (re-raised in digests())
             self._error = exc
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
 
-    def result(self) -> dict[str, str]:
+    def digests(self) -> dict[str, str]:
         self._thread.join()
         if self._error is not None:
             raise IntegrityError(f"{self.source}: hashing the shards failed: {self._error}")
-        compare(self.source, self.pins, self._done)
         return dict(self._done)
 
 

@@ -270,13 +270,14 @@ class TensorBlocks:
             yield r0, memoryview(part.numpy()).cast("B")
 
     def _code_blocks(self, t: TensorInfo, k: int, packed: bool, block_bytes: int = _BLOCK_BYTES, scales_only: bool = False,
-                     scales_made=None):
+                     scales_made=None, row_blocks=None):
         """Row blocks of the release -> ``(r0, codes, scales)`` torch tensors (codes int8, int4
         packed when ``packed``; None with ``scales_only``); a scale beyond fp16's range is an error
         naming the tensor. ``scales_made``: the tensor's scales ``[out, in/block]``: where the
         ``scales_only`` pass writes them, and what the codes' pass after it divides by, skipping the
         rule's first step (the converter writes a tensor's scales before its codes; 28.8 -> 18.4 ms
-        for 16 M values).
+        for 16 M values). ``row_blocks``: the tensor's ``(r0, r1, raw)`` row blocks read elsewhere
+        (``sweep.Sweep``) instead of here.
 
         Each block is quantized in row tiles of about ``TILE_VALUES`` values, widened to fp32 one
         tile at a time: the rule's passes then run in the CPU's cache instead of over a 64 MB fp32
@@ -291,7 +292,7 @@ class TensorBlocks:
         tile = torch.empty(step * cols, dtype=torch.float32)  # the widened tile
         work = torch.empty(step * cols, dtype=torch.float32)  # the rule's temporary
         ring = []  # the codes and scales of a block, in turn (a block stays intact while the next is made)
-        for i, (r0, r1, raw) in enumerate(raw_blocks(self.folder, t, block_bytes)):
+        for i, (r0, r1, raw) in enumerate(raw_blocks(self.folder, t, block_bytes) if row_blocks is None else row_blocks):
             rows = r1 - r0
             src = torch_view(raw, t.dtype).view(rows, cols)
             if len(ring) < _RING:

@@ -255,6 +255,8 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "text_config": text.as_dict(),
            "chunk": recipe.chunk, "context": recipe.context, "image_rows": recipe.image_rows, "compute": recipe.compute,
            "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": p.extra["compressed"]} if scheme else None,
+           # a compressed build's worker hashes the shards: its process making codes reads each once for both
+           "hash_shards": list(p.deferred) if scheme and p.extra["compressed"] else [],
            "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                            f"prefill chunk {recipe.chunk}, weights {recipe.weights}, compute {recipe.compute}"}}
     # the gate's release side (every tensor's expected digests) beside the export: the trace is one
@@ -263,7 +265,9 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     if p.cfg.verify and recipe.verify.enabled:  # the gate will run (build.build's test)
         from ..backbone.asset_weights import ReleaseSide
 
-        side = ReleaseSide(source, p.extra["infos"], recipe.compute == "fp32", scheme, p.extra["compressed"]).start(background=True)
+        # a compressed export reads the release past the page cache (``sweep``): so does its gate's side
+        side = ReleaseSide(source, p.extra["infos"], recipe.compute == "fp32", scheme, p.extra["compressed"],
+                           direct=bool(scheme and p.extra["compressed"])).start(background=True)
         p.extra["release_side"] = side
     try:
         timings = run_export_hashing(p, asset_dir, job, read_files(source), log)

@@ -38,28 +38,37 @@ def run_export(asset_dir: Path, job: dict, log: Callable[[str], None] = lambda m
 
 
 def run_export_hashing(p, asset_dir: Path, job: dict, order: list[str], log: Callable[[str], None] = lambda msg: None) -> dict:
-    """``run_export`` with the plan's deferred shards hashed beside it (``backbone.files.BackgroundHashes``,
-    stopped if the export fails); a shard that fails its pin fails the build here, named. ``p.files``
-    becomes every checked digest in ``order`` (the plan's)."""
+    """``run_export`` with the plan's deferred shards hashed beside it: in a thread here
+    (``backbone.files.BackgroundHashes``, stopped if the export fails), or, where the job has
+    ``hash_shards``, by the worker, which returns them as ``shards`` (a compressed backbone: its
+    process making codes ahead reads each shard once for both). A shard that fails its pin fails
+    the build here, named. ``p.files`` becomes every checked digest in ``order`` (the plan's)."""
     import time
 
-    from ..backbone.files import BackgroundHashes
+    from ..backbone.files import BackgroundHashes, compare
     from ..progress import plural
 
-    hashes = BackgroundHashes(p.source, p.pins, p.deferred) if p.deferred else None
+    worker_hashes = bool(job.get("hash_shards"))
+    hashes = BackgroundHashes(p.source, p.deferred) if p.deferred and not worker_hashes else None
     try:
         timings = run_export(asset_dir, job, log)
     except BaseException:
         if hashes is not None:
             hashes.stop()
         raise
-    if hashes is not None:
+    if p.deferred:
         t0 = time.perf_counter()
-        found = {**p.files, **hashes.result()}
+        got = timings.pop("shards", {}) if worker_hashes else hashes.digests()
+        missing = [n for n in p.deferred if n not in got]
+        if missing:  # the worker's protocol broke: nothing lands unchecked
+            raise IntegrityError(f"{p.source / missing[0]}: not hashed by the export" +
+                                 (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
+        compare(p.source, p.pins, got)
+        found = {**p.files, **got}
         p.files = {n: found[n] for n in order}
         p.info["files"] = p.files
-        log(f"{plural(len(p.deferred), 'shard')} matched their pins (hashed beside the export; "
-            f"{time.perf_counter() - t0:.1f} s waited)")
+        log(f"{plural(len(p.deferred), 'shard')} matched their pins (hashed beside the export"
+            + (" by its worker" if worker_hashes else "") + f"; {time.perf_counter() - t0:.1f} s waited)")
     return timings
 
 
