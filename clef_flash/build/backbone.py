@@ -69,8 +69,8 @@ def refuse(cfg: BuildConfig) -> None:
 
 def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     """Everything checked before work. ``defer``: the shards are checked to be pinned and present
-    here, and hashed while the export runs (``BackgroundHashes``, listed in "deferred"); a dry run
-    hashes them here."""
+    here, and hashed while the export runs (listed in "deferred": ``BackgroundHashes``, or for a
+    compressed build the read that makes its codes, ``backbone.sweep``); a dry run hashes them here."""
     from ..sources.fetch import resolve_source
 
     recipe = cfg.recipe
