@@ -95,3 +95,28 @@ def test_a_sweep_without_o_direct_and_a_short_file(tmp_path, monkeypatch):
     next(iter(sw.tensors()))
     sw.close()
     assert not any(th.is_alive() for th in sw._threads)
+
+
+def test_an_o_direct_read_refused_goes_on_buffered(tmp_path):
+    """``direct_io.refused``: EINVAL on a descriptor opened with O_DIRECT (here: a read at an offset
+    no block divides) clears the flag and the same read then works; any other error, or EINVAL on a
+    buffered descriptor, is not a refusal."""
+    import errno
+
+    from clef_flash.direct_io import open_direct, refused
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    fd, direct = open_direct(path, os.O_RDONLY)
+    try:
+        if not direct:
+            pytest.skip("this file system does not take O_DIRECT")
+        buf = bytearray(100)
+        with pytest.raises(OSError) as exc:
+            os.preadv(fd, [buf], 1)
+        assert exc.value.errno == errno.EINVAL and refused(fd, exc.value)
+        assert os.preadv(fd, [buf], 1) == 100 and bytes(buf) == bytes(range(1, 101))
+        assert not refused(fd, exc.value)  # buffered now: an EINVAL is an EINVAL
+        assert not refused(fd, OSError(errno.EIO, "i/o"))
+    finally:
+        os.close(fd)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..direct_io import open_direct, refused
 from ..errors import IntegrityError
 
 ALIGN = 4096  # O_DIRECT: file offset, length and buffer address in whole blocks of this
@@ -86,7 +87,6 @@ class Sweep:
         self.tensors_info = list(tensors)
         self.hashed = hashed
         self.digest: str | None = None
-        self.direct = False
         if only:  # the file's size is not looked at: a short file is found by its reads
             self.hashed = False
             lo = min((t.offset for t in self.tensors_info), default=0)
@@ -105,34 +105,21 @@ class Sweep:
         self._hashing: queue.Queue = queue.Queue()
         self._out: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self._fd = self._open(direct)
+        self._fd, self.direct = open_direct(self.path, os.O_RDONLY) if direct else (os.open(self.path, os.O_RDONLY), False)
         self._threads = [threading.Thread(target=self._read, name="clef-sweep-read", daemon=True),
                          threading.Thread(target=self._hash, name="clef-sweep-hash", daemon=True)]
         for th in self._threads:
             th.start()
-
-    def _open(self, direct: bool) -> int:
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_DIRECT)
-                self.direct = True
-                return fd
-            except OSError:  # a file system without it (tmpfs): plain reads
-                pass
-        self.direct = False
-        return os.open(self.path, os.O_RDONLY)
 
     def _pread(self, view: memoryview, offset: int, need: int, span: Span) -> int:
         got = 0
         while got < need:
             try:
                 n = os.preadv(self._fd, [view[got:]], offset + got)
-            except OSError:
-                if not self.direct:
+            except OSError as exc:
+                if not refused(self._fd, exc):
                     raise
-                # O_DIRECT refused this read (an alignment the device wants larger): plain reads from here
-                os.close(self._fd)
-                self._fd = self._open(False)
+                self.direct = False  # O_DIRECT refused the read: plain reads from here
                 continue
             if n == 0:
                 inside = self.tensors_info[span.tensor].name if span.tensor >= 0 else f"the bytes before {offset + need}"

@@ -20,6 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..direct_io import open_direct, refused
+
 MAGIC = b"ML\xefR"
 STRING, RESOURCE, RESOURCE_OFFSET = 0, 5, 6
 _PAD = 0xCB
@@ -241,27 +243,23 @@ def _blocks(path: Path, size: int, block: int, depth: int, reuse):
     ``main.mlirb`` just written: 14.9-15.1 s with four 16 MB reads in flight, 27.6-33.5 s with one
     buffered 8 MB read at a time. ``reuse(slot)`` is called before a slot is read into again and
     returns once that slot's last view is no longer in use."""
-    import errno
     import mmap
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
     slots = depth + 1
     bufs = [mmap.mmap(-1, block) for _ in range(slots)]  # anonymous: page-aligned, as O_DIRECT needs
-    direct = getattr(os, "O_DIRECT", 0) if block % 4096 == 0 and hasattr(os, "preadv") else 0
-    try:
-        fd = os.open(path, os.O_RDONLY | direct)
-    except OSError:  # e.g. a tmpfs
-        fd, direct = os.open(path, os.O_RDONLY), 0
+    if block % 4096 == 0 and hasattr(os, "preadv"):  # O_DIRECT is Linux's: so is preadv
+        fd, direct = open_direct(path, os.O_RDONLY)
+    else:
+        fd, direct = os.open(path, os.O_RDONLY), False
     if direct and size:
         try:
-            os.preadv(fd, [bufs[0]], 0)  # O_DIRECT is Linux's: so is preadv
-        except OSError as exc:  # a file system that opens with O_DIRECT and refuses the read
-            if exc.errno != errno.EINVAL:
+            os.preadv(fd, [bufs[0]], 0)
+        except OSError as exc:  # a file system that opens with O_DIRECT and refuses the read: buffered
+            if not refused(fd, exc):
                 os.close(fd)
                 raise
-            os.close(fd)
-            fd = os.open(path, os.O_RDONLY)
 
     lock = threading.Lock()
 
@@ -565,12 +563,7 @@ class _DirectWriter:
     def __init__(self, path: Path) -> None:
         import mmap
 
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        self.direct = bool(getattr(os, "O_DIRECT", 0))
-        try:
-            self.fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
-        except OSError:  # e.g. a tmpfs
-            self.fd, self.direct = os.open(path, flags), False
+        self.fd, self.direct = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         self.buf = mmap.mmap(-1, self.BLOCK)  # anonymous: page-aligned, as O_DIRECT needs
         self.view = memoryview(self.buf)
         self.used = 0
@@ -593,13 +586,9 @@ class _DirectWriter:
             try:
                 view = view[os.write(self.fd, view):]
             except OSError as exc:
-                import errno
-                import fcntl
-
-                if exc.errno != errno.EINVAL or not fcntl.fcntl(self.fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+                if not refused(self.fd, exc):
                     raise
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)  # refused: buffered
-                self.direct = False
+                self.direct = False  # refused: buffered from here
         self.used = 0
 
     def abort(self) -> None:
