@@ -36,7 +36,7 @@ $(AUTHOR): $(STAMP)
 	$(BIN)/clef-export author-code --out $@
 
 # A synthetic snapshot at the real head configuration (random bf16 weights, seed 0).
-$(SYNTH)/pins.json: $(AUTHOR) clef_flash/head/synth.py | $(STAMP)
+$(SYNTH)/pins.json: $(AUTHOR) clef_flash/synth/release.py | $(STAMP)
 	$(BIN)/clef-export synth $(SYNTH) --config real --seed 0 --author-code $(AUTHOR) --overwrite
 
 $(BUNDLE)/metadata.json: $(SRC_DEPS) $(SOURCES)
@@ -55,7 +55,7 @@ fetch: setup
 TINY_REL := .cache/tiny-release
 TINY_OUT := build/tiny-release
 TINY_BUNDLE := $(TINY_OUT)/tiny_release_head_bucket_fp16w32
-$(TINY_REL)/pins.json: $(AUTHOR) clef_flash/head/synth.py | $(STAMP)
+$(TINY_REL)/pins.json: $(AUTHOR) clef_flash/synth/release.py | $(STAMP)
 	$(BIN)/clef-export synth-release $(TINY_REL) --seed 0 --author-code $(AUTHOR) --overwrite
 	$(BIN)/clef-export pin $(TINY_REL) --name tiny_release --overwrite
 
@@ -121,7 +121,7 @@ bench: build bench-backbone
 # the backbone build at the tiny configuration and at a real-width slice of the 9B (4 layers,
 # vocab 248,320: 5.9 GB of random bf16 written streamed; about 20 GB of free disk in all)
 SLICE := .cache/slice-9b-4
-$(SLICE)/pins.json: $(AUTHOR) clef_flash/backbone/synth.py | $(STAMP)
+$(SLICE)/pins.json: $(AUTHOR) clef_flash/synth/wide.py | $(STAMP)
 	$(BIN)/clef-export synth-release $(SLICE) --size 9b --layers 4 --seed 0 --author-code $(AUTHOR) --overwrite
 	$(BIN)/clef-export pin $(SLICE) --name slice_9b --overwrite
 
@@ -154,7 +154,7 @@ vision: setup $(TINY_VISION)
 # the vision tower at real shape (the 9B's tower, random bf16, beside a 4-layer text slice): build
 # and gate watched, one call per bucket timed: benchmarks/results/vision-latest.json
 VISION_REL := .cache/synth-9b-vision
-$(VISION_REL)/pins.json: $(AUTHOR) clef_flash/backbone/synth.py | $(STAMP)
+$(VISION_REL)/pins.json: $(AUTHOR) clef_flash/synth/wide.py | $(STAMP)
 	$(BIN)/clef-export synth-release $(VISION_REL) --size 9b --layers 4 --vision --seed 0 --author-code $(AUTHOR) --overwrite
 	$(BIN)/clef-export pin $(VISION_REL) --name synth_9b_vision --overwrite
 

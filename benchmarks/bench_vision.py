@@ -37,7 +37,7 @@ def calls(bundle: Path, release: Path, buckets: list[int]) -> list[dict]:
     import torch
     from PIL import Image
 
-    from clef_flash.backbone.weights import locate
+    from clef_flash.engine.streamed_weights import locate
     from clef_flash.gate.backbone import _compare
     from clef_flash.gate.vision import gate_grid, reference_tower
     from clef_flash.vision.contract import VisionConfig, read_preprocessing, weight_names

@@ -39,7 +39,7 @@ def theirs(w: np.ndarray, bits: int):
 
 
 def compare(name: str, w: np.ndarray, bits: int) -> dict:
-    from clef_flash.backbone.quantize import Scheme, dequantize, quantize_np
+    from clef_flash.engine.quantize import Scheme, dequantize, quantize_np
 
     sch = Scheme(bits, 32)
     codes, scales = quantize_np(w, sch)
@@ -68,8 +68,9 @@ def main() -> None:
     ap.add_argument("--tiny", type=Path, required=True, help="the tiny release (its decoder linears)")
     a = ap.parse_args()
     from clef_flash.backbone.contract import read_text_config, weight_names
-    from clef_flash.backbone.quantize import compressed_names, Scheme
-    from clef_flash.backbone.weights import as_f32, locate, raw_blocks
+    from clef_flash.backbone.contract import compressed_names
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.engine.streamed_weights import as_f32, locate, raw_blocks
 
     cfg = read_text_config(a.tiny)
     infos = locate(a.tiny, weight_names(cfg))

@@ -235,7 +235,7 @@ def synth(
 ) -> None:
     """Write a synthetic snapshot (random bf16 weights, fixed seed) and its pins.json; labelled synthetic."""
     from .head.contract import CONFIGS
-    from .head.synth import write_synth
+    from .synth.release import write_synth
 
     if config not in CONFIGS:
         err.print(f"[bold red]error:[/] --config must be one of {', '.join(sorted(CONFIGS))}, got {config!r}")
@@ -266,7 +266,7 @@ def synth_release(
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Write a random release in clef-finetune's layout: tiny (make-tiny's head configuration), or at real width (--size)."""
-    from .head.synth import MAKE_TINY_HEAD, OTHER_HEAD, VARIANTS, write_release
+    from .synth.release import MAKE_TINY_HEAD, OTHER_HEAD, VARIANTS, write_release
     from .sources.author import require_author_code
 
     if size is None and (layers is not None or vision):
@@ -274,8 +274,8 @@ def synth_release(
                   f"(the tiny release always has its tiny tower)")
         raise typer.Exit(2)
     if size is not None:
-        from .backbone.synth import write_wide_release
-        from .vision.synth import wide_tower
+        from .synth.wide import write_wide_release
+        from .synth.tower import wide_tower
 
         code = _run(lambda: require_author_code(author_code))
         _run(lambda: write_wide_release(out_dir, size=size, layers=layers, seed=seed, author_code=code,
@@ -324,7 +324,7 @@ def build(
     """Build a head (ClefHeadGraph per bucket, one multi-function asset) or a backbone (the Qwen3.5 decoder with states) from its recipe, gated before it lands."""
     from .build import BuildConfig, build as do_build
     from .errors import UsageError
-    from .formats import DEFAULT_FORMAT, backend
+    from .head.backends import DEFAULT_FORMAT, backend
     from .recipe import format_recipe, load_recipe
 
     def go():

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from .head import contract
 from .digest import sha256_file
 from .errors import IntegrityError
 from .sources.pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
@@ -144,42 +143,6 @@ def source_section(pins: Pins) -> Source:
     )
 
 
-def head_section(*, buckets: tuple[int, ...], weights: str, source: Source, hidden_size: int = 4096,
-                 q_pad: int = contract.Q_PAD, o_pad: int = contract.O_PAD) -> Head:
-    """Everything that describes the head; equal to the published values for the published recipe."""
-    return Head(
-        graph=GRAPH_TEXT,
-        shape="bucket",
-        functions=[contract.function_name(b) for b in buckets],
-        buckets=[(contract.function_name(b), b) for b in buckets],
-        dims=None,
-        host_pad="bucket",
-        host_pad_rule=host_pad_rule(buckets, q_pad, o_pad),
-        inputs={name: contract.spec_text(name, hidden_size) for name in contract.INPUT_ORDER},
-        input_order=list(contract.INPUT_ORDER),
-        outputs={"logits": OUTPUT_TEXT},
-        weights=weights,
-        softmax=SOFTMAX_TEXT,
-        lexical=LEXICAL_TEXT,
-        source=source,
-    )
-
-
-def common_fields(*, name: str, asset: str, buckets: tuple[int, ...], weights: str, pins: Pins, hidden_size: int,
-                  date: str, q_pad: int = contract.Q_PAD, o_pad: int = contract.O_PAD) -> dict[str, Any]:
-    """The keys every bundle's manifest has, whatever its format; a backend adds ``export``."""
-    return {
-        "metadata_version": METADATA_VERSION,
-        "kind": KIND,
-        "name": name,
-        "assets": {"main": asset},
-        "head": head_section(buckets=buckets, weights=weights, source=source_section(pins), hidden_size=hidden_size,
-                             q_pad=q_pad, o_pad=o_pad),
-        "aot": None,
-        "compilation": Compilation(date=date, targets=[]),
-    }
-
-
 # The comparison that "describes the head" covers these keys of ``head``.
 HEAD_DESCRIPTIVE_KEYS = (
     "shape", "functions", "buckets", "dims", "host_pad", "host_pad_rule",
@@ -193,3 +156,16 @@ def json_schema_of(model: type[BaseModel], schema_file: str) -> dict[str, Any]:
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["$id"] = f"clef-export/{schema_file}"
     return schema
+
+
+class TensorSpec(Strict):
+    shape: list[int | str]
+    dtype: Literal["int32", "fp16", "fp32"]
+
+
+class BackboneSource(Strict):
+    hf_id: str
+    revision: str | None = Field(pattern=r"^[0-9a-f]{40}$")
+    files: dict[str, str]  # every file the build read -> sha256
+    synthetic: bool = False
+    origin: LocalOrigin | None = None

@@ -18,13 +18,13 @@ DEFAULT_RECIPE = CONVERSION / "head_bucket_fp16w32.toml"
 
 def format_recipe(fmt: str) -> Path:
     """The recipe ``build --format F`` uses when no recipe is named: the backend names it."""
-    from .formats import backend
+    from .head.backends import backend
 
     return CONVERSION / backend(fmt).RECIPE
 
 
 def _default_format() -> str:
-    from .formats import DEFAULT_FORMAT
+    from .head.backends import DEFAULT_FORMAT
 
     return DEFAULT_FORMAT
 
@@ -57,7 +57,7 @@ class Recipe(BaseModel):
     @field_validator("format")
     @classmethod
     def _known_format(cls, v: str) -> str:
-        from .formats import FORMATS
+        from .head.backends import FORMATS
 
         if v not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}")
@@ -176,7 +176,7 @@ class BackboneRecipe(BaseModel):
         """The compression scheme (``backbone.quantize.Scheme``), None for fp16 weights."""
         if self.weights == "fp16":
             return None
-        from .backbone.quantize import Scheme
+        from .engine.quantize import Scheme
 
         return Scheme(bits=int(self.weights[3:]), block=self.block)
 

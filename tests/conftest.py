@@ -33,7 +33,7 @@ def author_module(author_code):
 
 
 def _synth(tmp_path_factory, author_code, config: str, seed: int, lm_head_vocab: int | None = None) -> Path:
-    from clef_flash.head.synth import write_synth
+    from clef_flash.synth.release import write_synth
 
     out = tmp_path_factory.mktemp(f"src-{config}-{seed}") / "snapshot"
     write_synth(out, config_name=config, seed=seed, author_code=author_code, lm_head_vocab=lm_head_vocab)
@@ -104,7 +104,7 @@ def whole_dist(tmp_path_factory, author_code) -> dict[str, Path]:
 
     from clef_flash.cli import app
     from clef_flash.sources.pinning import pin_local
-    from clef_flash.head.synth import MAKE_TINY_HEAD, write_release
+    from clef_flash.synth.release import MAKE_TINY_HEAD, write_release
 
     root = tmp_path_factory.mktemp("whole-dist")
     rel = write_release(root / "licensed_release", config_name=MAKE_TINY_HEAD, seed=3, author_code=author_code,

@@ -22,7 +22,7 @@ runner = CliRunner()
 
 def _release(root: Path, author_code: Path, variant: str, seed: int, name: str) -> Path:
     from clef_flash.sources.pinning import pin_local
-    from clef_flash.head.synth import MAKE_TINY_HEAD, OTHER_HEAD, write_release
+    from clef_flash.synth.release import MAKE_TINY_HEAD, OTHER_HEAD, write_release
 
     rel = write_release(root / name, config_name=MAKE_TINY_HEAD if variant == "tiny" else OTHER_HEAD, seed=seed,
                         author_code=author_code, backbone="qwen3_5", variant=variant)
@@ -103,7 +103,7 @@ def test_eager_chunks_match_transformers_full_forward(releases, tmp_path, varian
     from clef_flash.backbone.files import release_config
     from clef_flash.backbone.contract import Chunking
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
-    from clef_flash.backbone.weights import load_weights
+    from clef_flash.engine.streamed_weights import load_weights
 
     rel = releases[variant]
     cfg = release_config(rel)
@@ -326,7 +326,7 @@ def test_tampered_shard_and_unpinned_file_are_named(releases, tmp_path):
 def _infos(release: Path):
     from clef_flash.backbone.contract import weight_names
     from clef_flash.backbone.files import release_config
-    from clef_flash.backbone.weights import locate
+    from clef_flash.engine.streamed_weights import locate
 
     return locate(release, weight_names(release_config(release)))
 
@@ -336,7 +336,7 @@ def test_every_weight_in_the_asset_is_the_releases_and_a_changed_value_is_named(
     or folded to fp32), and names the tensor when one value differs on either side."""
     import shutil
 
-    from clef_flash.backbone.asset_weights import compare
+    from clef_flash.engine.asset_readback import compare
     from clef_flash.digest import sha256_file
     from clef_flash.formats.mlirb import blobs
 
@@ -379,7 +379,7 @@ def test_the_builds_gate_reads_main_mlirb_with_one_hash_and_the_saves_digests(bu
     blob again; a byte changed after the save fails, named; and the digests are the ones matched."""
     import shutil
 
-    from clef_flash.backbone import asset_weights as aw
+    from clef_flash.engine import asset_readback as aw
     from clef_flash.errors import IntegrityError
     from clef_flash.formats.mlirb import Written, blobs, stable_resource_names
 
@@ -446,7 +446,7 @@ def test_the_release_side_started_early_gives_what_compare_computes(built, relea
     stopped one or one whose release breaks does not pass for a result."""
     import shutil
 
-    from clef_flash.backbone.asset_weights import ReleaseSide, compare, expected
+    from clef_flash.engine.asset_readback import ReleaseSide, compare, expected
     from clef_flash.errors import IntegrityError
 
     infos = _infos(releases["tiny"])
@@ -556,7 +556,7 @@ def test_scaled_weights_hold_no_subnormal_and_compute_the_same_bits(releases, tm
     from clef_flash.backbone.contract import Chunking
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
     from clef_flash.backbone.files import release_config
-    from clef_flash.backbone.weights import load_weights
+    from clef_flash.engine.streamed_weights import load_weights
 
     rel = releases["tiny"]
     cfg = release_config(rel)
@@ -697,7 +697,7 @@ def test_out_of_fp16_range_is_refused_unscaled_and_fits_scaled(tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    from clef_flash.backbone.weights import load_weights
+    from clef_flash.engine.streamed_weights import load_weights
     from clef_flash.errors import IntegrityError
 
     w = torch.full((4, 8), 0.25)
@@ -722,7 +722,7 @@ def test_the_wide_writer_writes_readable_shards(tmp_path):
     size, a streamed safetensors file that safetensors reads back with the declared shapes."""
     from safetensors import safe_open
 
-    from clef_flash.backbone import synth
+    from clef_flash.synth import wide as synth
     from clef_flash.errors import UsageError
 
     text = synth.text_config("9b", 4)
@@ -753,7 +753,7 @@ def test_too_little_disk_is_refused_before_any_work(releases, tmp_path, monkeypa
     from clef_flash.build.backbone import MARGIN, disk_need
     from clef_flash.backbone.contract import weight_names
     from clef_flash.backbone.files import release_config
-    from clef_flash.backbone.weights import locate, scratch_bytes
+    from clef_flash.engine.streamed_weights import locate, scratch_bytes
 
     rel = releases["tiny"]
     fp16 = scratch_bytes(locate(rel, weight_names(release_config(rel))))
@@ -780,9 +780,9 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
     from coreai_torch import TorchConverter, get_decomp_table
 
     from clef_flash.formats.aimodel import deterministic_naming, save, save_streamed
-    from clef_flash.backbone.export import constants_from_buffers
+    from clef_flash.engine.converter import constants_from_buffers
     from clef_flash.digest import sha256_file
-    from clef_flash.formats.mlirb import BytecodeError, digests, inflate
+    from clef_flash.formats.mlirb import BytecodeError, Fill, digests, inflate
 
     gen = torch.Generator().manual_seed(0)
     big, big2 = ((0.02 * torch.randn(512, 1024, generator=gen)).half() for _ in range(2))
@@ -818,7 +818,7 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
         yield data[1000:]
 
     sizes = {tag: n for tag, (_, n) in made.streamed.items()}
-    written = save(prog, tmp_path / "streamed.aimodel", desc, fill=(sizes, supply))
+    written = save(prog, tmp_path / "streamed.aimodel", desc, fill=Fill(sizes, supply))
     want = sha256_file(tmp_path / "own.aimodel" / "main.mlirb")
     assert sha256_file(tmp_path / "buffers.aimodel" / "main.mlirb") == want
     assert sha256_file(tmp_path / "streamed.aimodel" / "main.mlirb") == want
@@ -848,7 +848,7 @@ def test_one_lowered_trace_is_the_two_public_passes_byte_for_byte(releases, tmp_
     from clef_flash.backbone import export as E
     from clef_flash.backbone.contract import read_text_config
     from clef_flash.digest import sha256_file
-    from clef_flash.head import tracing
+    from clef_flash.engine import lowered as tracing
 
     cfg = read_text_config(releases["tiny"])
     traced: list[bool] = []
@@ -879,7 +879,7 @@ def test_streamed_weights_are_the_converted_tensors_in_blocks(releases, tmp_path
     """``Fp16Weights(streamed=True)`` converts large tensors only when asked, in row blocks from two
     buffers in turn: each block stays intact while the next is converted, and the blocks are the
     tensor's fp16 bytes (scaled by 2**k for fp32 compute), the same as the eager conversion."""
-    from clef_flash.backbone import weights as wmod
+    from clef_flash.engine import streamed_weights as wmod
     from clef_flash.backbone.contract import weight_names
     from clef_flash.backbone.files import release_config
 
@@ -956,7 +956,7 @@ def test_the_worker_dies_with_its_parent_even_when_silent(tmp_path, child):
     import sys
     import time
 
-    from clef_flash.backbone.ahead import PARENT_ENV as AHEAD_ENV
+    from clef_flash.engine.codes_ahead import PARENT_ENV as AHEAD_ENV
     from clef_flash.build.process import PARENT_ENV as WORKER_ENV
 
     env_name = WORKER_ENV if child == "export worker" else AHEAD_ENV

@@ -28,7 +28,7 @@ def invoke(*args):
 
 def _tiny_release(root: Path, author_code: Path, seed: int, name: str) -> tuple[Path, Path]:
     """A release folder (real tiny backbone), pinned, and the bundle built from its head."""
-    from clef_flash.head.synth import MAKE_TINY_HEAD, write_release
+    from clef_flash.synth.release import MAKE_TINY_HEAD, write_release
 
     rel = write_release(root / "release", config_name=MAKE_TINY_HEAD, seed=seed, author_code=author_code, backbone="qwen3_5")
     r = invoke("pin", rel, "--name", name)
@@ -191,7 +191,7 @@ def test_the_request_set_covers_what_it_should(author_module):
     author's encode_record with the tiny release's byte-level tokenizer."""
     from clef_flash.head.contract import BUCKETS
     from clef_flash.head.host import HostInputError, check_fits
-    from clef_flash.head.synth import byte_tokenizer
+    from clef_flash.synth.release import byte_tokenizer
 
     tok = byte_tokenizer()
     reqs = load_requests(default_requests())

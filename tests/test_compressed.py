@@ -34,7 +34,7 @@ def _recipe(tmp: Path, weights: str, compute: str, chunk: int = 16, context: int
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory, author_code) -> Path:
-    from clef_flash.head.synth import MAKE_TINY_HEAD, write_release
+    from clef_flash.synth.release import MAKE_TINY_HEAD, write_release
     from clef_flash.sources.pinning import pin_local
 
     rel = write_release(tmp_path_factory.mktemp("compressed-release") / "tiny_release", config_name=MAKE_TINY_HEAD,
@@ -67,7 +67,7 @@ def test_the_build_and_gate_quantizers_agree_and_keep_the_rule(bits):
     each dequantized value is within half a step of the weight."""
     import torch
 
-    from clef_flash.backbone.quantize import SCALE_FLOOR, Buffers, Scheme, dequantize, quantize_np, quantize_torch
+    from clef_flash.engine.quantize import SCALE_FLOOR, Buffers, Scheme, dequantize, quantize_np, quantize_torch
 
     sch = Scheme(bits, 32)
     rng = np.random.default_rng(0)
@@ -104,9 +104,10 @@ def test_the_planners_dequantized_weights_are_the_numpy_rules(release, monkeypat
     """plan-weights dequantizes with the build's torch rule in row tiles (``dequantized_release``):
     every value must be the gate's numpy rule over the whole matrix (``quantize_np`` + ``dequantize``),
     scaled by ``2**k`` (fp32 compute) and not, with tiles that end inside a read block."""
-    from clef_flash.backbone import weights as W
+    from clef_flash.engine import streamed_weights as W
     from clef_flash.backbone.contract import read_text_config, weight_names
-    from clef_flash.backbone.quantize import Scheme, compressed_names, dequantize, quantize_np
+    from clef_flash.engine.quantize import Scheme, dequantize, quantize_np
+    from clef_flash.backbone.contract import compressed_names
     from clef_flash.backbone.sensitivity import dequantized_release
 
     sch = Scheme(bits, 32)
@@ -134,7 +135,7 @@ def test_int4_packing_is_coreai_torchs_and_the_op_is_our_dequantize():
     import coreai_torch._compression.custom_layers  # noqa: F401
     from coreai_torch._compression._intx import pack_intx
 
-    from clef_flash.backbone.quantize import Scheme, dequantize, pack_int4, pack_int4_torch, quantize_np, unpack_int4
+    from clef_flash.engine.quantize import Scheme, dequantize, pack_int4, pack_int4_torch, quantize_np, unpack_int4
 
     rng = np.random.default_rng(1)
     codes = rng.integers(-7, 8, size=(16, 64)).astype(np.int8)
@@ -211,10 +212,11 @@ def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path,
     How the streamed route gets there without it: each tensor's scales are asked before its codes, and its
     codes' pass divides by the scales that pass kept; every tensor but the first is named to
     ``prefetch`` (inflate's ``upcoming``) before it is asked, and nothing else is."""
-    from clef_flash.backbone import weights as W
+    from clef_flash.engine import streamed_weights as W
     from clef_flash.backbone.contract import read_text_config, weight_names
     from clef_flash.backbone.export import export_job
-    from clef_flash.backbone.quantize import Scheme, compressed_names
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.backbone.contract import compressed_names
     from clef_flash.formats.mlirb import blob_sha256, blobs
 
     calls: list[tuple] = []
@@ -266,10 +268,10 @@ def test_streamed_codes_are_the_bytes_of_the_unstreamed_route(release, tmp_path,
 
 
 def _found(bundle: Path, release: Path):
-    from clef_flash.backbone.asset_weights import compare
+    from clef_flash.engine.asset_readback import compare
     from clef_flash.backbone.contract import read_text_config, weight_names
     from clef_flash.backbone.manifest import BackboneManifest
-    from clef_flash.backbone.weights import locate
+    from clef_flash.engine.streamed_weights import locate
     from clef_flash.gate.backbone import compression_of
 
     m = BackboneManifest.model_validate_json((bundle / "metadata.json").read_text())
@@ -337,7 +339,7 @@ def test_a_changed_code_or_scale_is_named(built, release, tmp_path, key):
 def test_the_quantization_red_arms_must_fail(built, release, monkeypatch):
     """A gate whose reference could not see a misread layout fails: the red arms read the codes and
     scales correctly here (the arm disabled), so they pass the bar, and the gate must say so."""
-    import clef_flash.backbone.asset_weights as aw
+    import clef_flash.engine.asset_readback as aw
     from clef_flash.gate.backbone import BackboneVerifyConfig, verify_backbone
 
     real = aw.dequantized
@@ -517,9 +519,10 @@ def test_a_trial_from_its_first_compressed_layer_is_the_whole_pass(release, monk
     read. Started one layer late (the stored outputs one layer off) the rows differ."""
     from clef_flash.backbone import reference
     from clef_flash.backbone.contract import read_text_config, weight_names
-    from clef_flash.backbone.quantize import Scheme, compressed_names
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.backbone.contract import compressed_names
     from clef_flash.backbone.sensitivity import Dequantizer, LayerOutputs, layer_errors, rows_with
-    from clef_flash.backbone.weights import locate
+    from clef_flash.engine.streamed_weights import locate
 
     text = read_text_config(release)
     scheme = Scheme(8, 32)
@@ -574,9 +577,9 @@ def test_bytes_made_ahead_are_the_bytes_made_at_the_save(tmp_path, bits):
     (``ahead``) writes the bytes the save would make itself, and the save reads them back from the
     scratch file, in the order it asks (here: another than the process's own), in blocks smaller
     than the process's; each slot is freed once read (a hole: zeros)."""
-    from clef_flash.backbone.ahead import start
-    from clef_flash.backbone.quantize import Scheme
-    from clef_flash.backbone.weights import load_weights
+    from clef_flash.engine.codes_ahead import start
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.engine.streamed_weights import load_weights
 
     folder, wanted = _one_tensor(tmp_path, rows=300, cols=128)
     sch = Scheme(bits, 32)
@@ -606,9 +609,9 @@ def test_a_process_that_stops_leaves_the_rest_to_the_save(tmp_path):
     save then fails on it by name, as it would without the process."""
     import threading
 
-    from clef_flash.backbone.ahead import Ahead, start
-    from clef_flash.backbone.quantize import Scheme
-    from clef_flash.backbone.weights import load_weights
+    from clef_flash.engine.codes_ahead import Ahead, start
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.engine.streamed_weights import load_weights
     from clef_flash.errors import IntegrityError
 
     folder, wanted = _one_tensor(tmp_path, rows=300, cols=128)
@@ -647,9 +650,9 @@ def test_no_bytes_made_ahead_where_the_disk_cannot_hold_them(tmp_path, monkeypat
     could not hold that beside the asset, nothing is started and the save makes every byte."""
     import shutil as sh
 
-    from clef_flash.backbone.ahead import start
-    from clef_flash.backbone.quantize import Scheme
-    from clef_flash.backbone.weights import load_weights
+    from clef_flash.engine.codes_ahead import start
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.engine.streamed_weights import load_weights
 
     folder, wanted = _one_tensor(tmp_path)
     w = load_weights(folder, wanted, tmp_path, streamed=True, scheme=Scheme(8, 32), compressed=["m.weight"])
@@ -696,9 +699,9 @@ def test_the_process_reads_the_shards_in_the_saves_order_and_hashes_them(tmp_pat
     import torch
     from safetensors.torch import save_file
 
-    from clef_flash.backbone.ahead import job_of
-    from clef_flash.backbone.quantize import Scheme
-    from clef_flash.backbone.weights import load_weights
+    from clef_flash.engine.codes_ahead import job_of
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.engine.streamed_weights import load_weights
 
     g = torch.Generator().manual_seed(5)
     shards = {"s1.safetensors": ("a.weight", "b.weight"), "s2.safetensors": ("c.weight",), "s3.safetensors": ("n.weight",)}
@@ -710,7 +713,7 @@ def test_the_process_reads_the_shards_in_the_saves_order_and_hashes_them(tmp_pat
     w = load_weights(tmp_path, wanted, tmp_path, streamed=True, scheme=Scheme(8, 32), compressed=list(names))
     try:
         job = job_of(w, ["c.weight", "b.weight", "a.weight"], hashed=list(shards))
-        res = subprocess.run([sys.executable, "-m", "clef_flash.backbone.ahead", js.dumps(job)], input="[2, 0, 1]\n",
+        res = subprocess.run([sys.executable, "-m", "clef_flash.engine.codes_ahead", js.dumps(job)], input="[2, 0, 1]\n",
                              capture_output=True, text=True, pass_fds=(w._fd,), timeout=120, check=True)
         lines = [ln for ln in res.stdout.split("\n") if ln]
         events = [("sha", js.loads(ln[4:])[0]) if ln.startswith("sha ") else ("made", int(ln.split()[0]))
@@ -736,7 +739,8 @@ def test_the_stitched_trace_writes_the_full_traces_asset(release, tmp_path):
     the tiny release's int8 asset byte for byte what tracing every layer gives."""
     from clef_flash.backbone.contract import read_text_config, weight_names
     from clef_flash.backbone.export import export_job
-    from clef_flash.backbone.quantize import Scheme, compressed_names
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.backbone.contract import compressed_names
 
     cfg = read_text_config(release)
     names = compressed_names(weight_names(cfg), Scheme(8, 32), [1])

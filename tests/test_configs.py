@@ -16,7 +16,7 @@ from clef_flash.cli import app
 from clef_flash.head.graph import ClefHeadGraph
 from clef_flash.head.host import head_inputs
 from clef_flash.head.records import author_logits, random_records
-from clef_flash.head.synth import synth_state, write_synth
+from clef_flash.synth.release import synth_state, write_synth
 
 BAR = 1e-5
 CONFIGS = {

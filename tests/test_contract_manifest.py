@@ -10,9 +10,10 @@ import pytest
 
 from clef_flash.head import contract
 from clef_flash.errors import UsageError
-from clef_flash.formats.aimodel import Manifest
-from clef_flash.formats import json_schema, load_manifest
-from clef_flash.manifest import HEAD_DESCRIPTIVE_KEYS, Source, head_section
+from clef_flash.head.aimodel import Manifest
+from clef_flash.head.backends import json_schema, load_manifest
+from clef_flash.manifest import HEAD_DESCRIPTIVE_KEYS, Source
+from clef_flash.head.manifest import head_section
 from clef_flash.sources.pins import load_pins
 
 from .conftest import PUBLISHED, ROOT

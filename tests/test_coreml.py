@@ -15,12 +15,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from clef_flash.formats import mlpackage
+from clef_flash.head import mlpackage
 from clef_flash.cli import app
 from clef_flash.errors import IntegrityError, NumericError
 from clef_flash.gate.head import VerifyConfig, verify_bundle
-from clef_flash.formats import load_manifest
-from clef_flash.formats.mlpackage import Manifest as MlpackageManifest
+from clef_flash.head.backends import load_manifest
+from clef_flash.head.mlpackage import Manifest as MlpackageManifest
 
 from .conftest import ROOT, build_bundle
 
@@ -262,7 +262,7 @@ def test_one_aten_trace_is_the_two_public_passes_file_for_file(tmp_path, tiny_pa
 
     from clef_flash.build.head import export_job
     from clef_flash.digest import tree_files
-    from clef_flash.head import tracing
+    from clef_flash.engine import lowered as tracing
     from clef_flash.recipe import load_recipe
 
     asked: list[int] = []

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from clef_flash.head.contract import INPUT_ORDER, INPUT_SPECS, REAL_PARAMETERS
-from clef_flash.formats.aimodel import Manifest
+from clef_flash.head.aimodel import Manifest
 from clef_flash.manifest import HEAD_DESCRIPTIVE_KEYS
 
 from .conftest import PUBLISHED

@@ -11,7 +11,7 @@ from clef_flash.head.contract import BUCKETS, TINY_CONFIG
 from clef_flash.head.records import author_logits, random_records
 from clef_flash.head.graph import ClefHeadGraph, cast_weights
 from clef_flash.head.host import Question, head_inputs
-from clef_flash.head.synth import synth_state
+from clef_flash.synth.release import synth_state
 
 BAR = 1e-5  # the issue's eager-parity bar (fp32, exact sizes and bucket-padded)
 VOCAB = 97
@@ -143,7 +143,8 @@ def test_core_forms_are_bit_identical_to_the_functional_ones():
 def test_exported_graph_needs_no_decomposition(tiny, buckets):
     """coreai-torch takes the traced program as it is; a functional op slipping in would bring the
     slow ``run_decompositions`` pass back, and this check sees it."""
-    from clef_flash.formats.aimodel import needs_decomposition, trace_program
+    from clef_flash.formats.aimodel import needs_decomposition
+    from clef_flash.head.aimodel import trace_program
 
     coreai_torch = pytest.importorskip("coreai_torch")
     _, head, _ = tiny

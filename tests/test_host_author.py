@@ -14,7 +14,7 @@ from clef_flash.sources.author import HeadConfig, build_head
 from clef_flash.head.contract import INPUT_ORDER, TINY_CONFIG
 from clef_flash.head.graph import ClefHeadGraph
 from clef_flash.head.host import answers, head_inputs, question_probs
-from clef_flash.head.synth import synth_state
+from clef_flash.synth.release import synth_state
 
 
 class CharTokenizer:

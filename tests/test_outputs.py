@@ -124,7 +124,7 @@ def test_table_read_only_folder_refused_before_work(tmp_path, tiny_source):
 def test_table_killed_mid_write_then_rerun(tmp_path, tiny_source, author_code):
     """SIGKILL while the table is being written into a folder that already holds a table: the old
     files stay as they were; the rerun sweeps the killed run's temp folder and lands both files."""
-    from clef_flash.head.synth import write_synth
+    from clef_flash.synth.release import write_synth
 
     src = tmp_path / "src"
     write_synth(src, config_name="tiny", seed=3, author_code=author_code, lm_head_vocab=400_000)  # a 51 MB table

@@ -59,7 +59,7 @@ def test_pin_refuses_a_tampered_small_file_and_a_branch(tmp_path, hub, tiny_sour
 
 
 def _release(tmp_path: Path, author_code: Path, layout: str = "single", name: str = "rel") -> Path:
-    from clef_flash.head.synth import write_release
+    from clef_flash.synth.release import write_release
 
     return write_release(tmp_path / name, config_name=MAKE_TINY, seed=5, author_code=author_code, layout=layout)
 

@@ -38,7 +38,7 @@ def error_lines(output: str) -> list[str]:
 
 
 def _release(tmp_path_factory, author_code, name: str, seed: int) -> Path:
-    from clef_flash.head.synth import MAKE_TINY_HEAD, write_release
+    from clef_flash.synth.release import MAKE_TINY_HEAD, write_release
     from clef_flash.sources.pinning import pin_local
 
     rel = write_release(tmp_path_factory.mktemp(name) / name, config_name=MAKE_TINY_HEAD, seed=seed,

@@ -13,8 +13,9 @@ from clef_flash.backbone import stitch as S
 from clef_flash.backbone.contract import Chunking, text_config, weight_names
 from clef_flash.backbone.export import example_args, trace
 from clef_flash.backbone.graph import DecoderChunk, ImageDecoderChunk
-from clef_flash.backbone.quantize import Scheme, compressed_names, quantize_torch
-from clef_flash.backbone.synth import TEXT_9B
+from clef_flash.engine.quantize import Scheme, quantize_torch
+from clef_flash.backbone.contract import compressed_names
+from clef_flash.synth.wide import TEXT_9B
 
 PATTERN = ["full_attention", "linear_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention"]
 

@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from clef_flash.backbone.sweep import ALIGN, Sweep, spans, tensor_rows
-from clef_flash.backbone.weights import TensorInfo
+from clef_flash.engine.shard_reads import ALIGN, Sweep, spans, tensor_rows
+from clef_flash.engine.streamed_weights import TensorInfo
 from clef_flash.errors import IntegrityError
 
 

@@ -23,7 +23,7 @@ runner = CliRunner()
 
 @pytest.fixture(scope="module")
 def release(tmp_path_factory, author_code) -> Path:
-    from clef_flash.head.synth import MAKE_TINY_HEAD, write_release
+    from clef_flash.synth.release import MAKE_TINY_HEAD, write_release
     from clef_flash.sources.pinning import pin_local
 
     rel = write_release(tmp_path_factory.mktemp("vision-release") / "tiny_release", config_name=MAKE_TINY_HEAD,
@@ -150,7 +150,7 @@ def test_tower_graph_equals_transformers_with_padding(release, pre):
     import torch
 
     from clef_flash.gate.vision import reference_tower
-    from clef_flash.backbone.weights import locate
+    from clef_flash.engine.streamed_weights import locate
     from clef_flash.vision.contract import INPUT_ORDER, read_vision_config, weight_names
     from clef_flash.vision.graph import VisionTower
     from clef_flash.vision.host import image_rows, tower_inputs
@@ -334,7 +334,7 @@ def decoders(release, tmp_path_factory):
     from clef_flash.backbone.contract import Chunking
     from clef_flash.backbone.files import release_config
     from clef_flash.backbone.graph import DecoderChunk, ImageDecoderChunk, weight_names
-    from clef_flash.backbone.weights import load_weights
+    from clef_flash.engine.streamed_weights import load_weights
 
     cfg = release_config(release)
     w = load_weights(release, weight_names(cfg), tmp_path_factory.mktemp("scratch")).tensors()

@@ -16,7 +16,7 @@ from .conftest import ROOT
 
 def test_wheel_installs_and_works_outside_the_checkout(tmp_path, author_code):
     from clef_flash import __version__
-    from clef_flash.head.synth import write_release
+    from clef_flash.synth.release import write_release
 
     wheels = tmp_path / "wheels"
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",

@@ -12,31 +12,14 @@ from ..digest import sha256_file
 from ..errors import IntegrityError
 from .contract import FUNCTION
 from .files import TOKENIZER_DIR
+from ..engine.bundle_read import read_asset_bundle
 from ..progress import plural
-
-
-def read_asset_bundle(bundle: Path, model, what: str, hashed: bool = True):
-    """A Core AI bundle's manifest (as ``model``), its asset folder, and ``main.mlirb`` / ``main.hash``
-    against it (``aimodel.check_files``; ``hashed=False``: main.mlirb's sha256 left to the caller);
-    ``IntegrityError`` naming the first broken file."""
-    from ..formats.aimodel import check_files as check_asset
-    from ..layout import MANIFEST_FILE
-
-    path = Path(bundle) / MANIFEST_FILE
-    try:
-        m = model.model_validate_json(path.read_bytes())
-    except FileNotFoundError:
-        raise IntegrityError(f"{path}: missing") from None
-    except ValueError as exc:
-        raise IntegrityError(f"{path}: not a {what} manifest ({str(exc).splitlines()[0]})") from None
-    asset = Path(bundle) / m.assets["main"]
-    return m, asset, check_asset(m, asset, hashed=hashed)
 
 
 def check_files(bundle: Path, hashed: bool = True):
     """The manifest, its asset and tokenizer files; ``IntegrityError`` naming the first broken file.
     ``hashed=False``: main.mlirb's sha256 is left to the caller (``aimodel.check_files`` with a digest)."""
-    from ..backbone.manifest import BackboneManifest
+    from .manifest import BackboneManifest
 
     m, asset, checks = read_asset_bundle(bundle, BackboneManifest, "backbone", hashed)
     for name, want in m.tokenizer.items():

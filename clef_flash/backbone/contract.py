@@ -9,21 +9,23 @@ updated in place; output ``hidden [1, S, hidden_size]``, the final-norm rows (no
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..bundle import read_json
 from ..errors import IntegrityError
+from ..ops import MASK_BIAS  # noqa: F401 (the decoder's mask bias is the tower's: one value)
+
+if TYPE_CHECKING:
+    from ..engine.quantize import Scheme
 
 FUNCTION = "main"
 INPUT_ORDER: tuple[str, ...] = ("input_ids", "position_ids")
 STATE_ORDER: tuple[str, ...] = ("keyCache", "valueCache", "convState", "recState")
 OUTPUT_NAMES: tuple[str, ...] = ("hidden",)
 LINEAR, FULL = "linear_attention", "full_attention"
-# Additive bias of a key slot a query may not see: exp underflows to exactly 0 in fp32 and fp16
-# (after the max is subtracted), and the value stays finite so no row turns NaN.
-MASK_BIAS = -30000.0
 # Attention over more key slots than this runs in key blocks sharing one max (the same softmax):
 # the Apple GPU returned wrong values for one plain softmax over 4,032+ keys (the head does the same).
 KEY_BLOCK = 2048
@@ -242,3 +244,21 @@ def weight_names(cfg: TextConfig) -> dict[str, tuple[int, ...]]:
             out[a + "norm.weight"] = (cfg.linear_value_head_dim,)
             out[a + "out_proj.weight"] = (h, hv)
     return out
+
+
+LINEARS = re.compile(re.escape(LM) + r"layers\.(\d+)\.(self_attn\.(q|k|v|o)_proj|linear_attn\.(in_proj_qkv|in_proj_z|"
+                     r"in_proj_b|in_proj_a|out_proj)|mlp\.(gate|up|down)_proj)\.weight$")
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a compressible linear belongs to (None: not a decoder linear)."""
+    m = LINEARS.match(name)
+    return int(m.group(1)) if m else None
+
+
+def compressed_names(wanted: dict[str, tuple[int, ...]], scheme: Scheme, fp16_layers=()) -> list[str]:
+    """The tensors the scheme compresses: decoder linears outside ``fp16_layers`` whose input axis the
+    block divides (anything the scheme cannot block stays fp16)."""
+    keep = set(fp16_layers)
+    return sorted(n for n, s in wanted.items()
+                  if len(s) == 2 and layer_of(n) is not None and layer_of(n) not in keep and s[1] % scheme.block == 0)

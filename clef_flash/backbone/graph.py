@@ -30,37 +30,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .contract import KEY_BLOCK, LM, MASK_BIAS, Chunking, TextConfig, mrope_axes, weight_names  # noqa: F401 (weight_names: re-exported)
+from .contract import KEY_BLOCK, LM, Chunking, TextConfig, mrope_axes, weight_names  # noqa: F401 (weight_names: re-exported)
+from ..ops import MASK_BIAS, attend, rotate_half
 
 
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     x = x.float()
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float, block: int) -> torch.Tensor:
-    """softmax(q k^T * scale + bias) v in fp32; over more than ``block`` slots, per key block with
-    one shared max (the same softmax, computed blockwise)."""
-    n = k.shape[-2]
-    if n <= block:
-        s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
-        return torch.matmul(torch.softmax(s, dim=-1), v.float())
-    edges = list(range(0, n, block)) + [n]
-    scores = [torch.matmul(q, k[..., a:b, :].transpose(-1, -2)).float() * scale + bias[..., a:b]
-              for a, b in zip(edges, edges[1:])]
-    m = torch.stack([s.amax(-1, keepdim=True) for s in scores], dim=0).amax(0)
-    num = den = None
-    for (a, b), s in zip(zip(edges, edges[1:]), scores):
-        e = torch.exp(s - m)
-        part_num, part_den = torch.matmul(e, v[..., a:b, :].float()), e.sum(-1, keepdim=True)
-        num = part_num if num is None else num + part_num
-        den = part_den if den is None else den + part_den
-    return num / den
 
 
 def delta_rule_constants(chunk: int) -> dict:
@@ -283,7 +259,7 @@ class DecoderChunk(torch.nn.Module):
 
         def rope(t):
             r = t[..., :rot]
-            return torch.cat((r * cos + _rotate_half(r) * sin, t[..., rot:]), dim=-1)
+            return torch.cat((r * cos + rotate_half(r) * sin, t[..., rot:]), dim=-1)
 
         q, k = rope(q).to(self.dtype), rope(k).to(keyCache.dtype)
         idx = pos[0].long()
@@ -295,7 +271,7 @@ class DecoderChunk(torch.nn.Module):
             ctx = kc.shape[2]
             kc = kc[:, :, None].expand(1, nkv, rep, ctx, hd).reshape(1, nh, ctx, hd)
             vc = vc[:, :, None].expand(1, nkv, rep, ctx, hd).reshape(1, nh, ctx, hd)
-        o = _attend(q, kc, vc, bias, 1.0 / math.sqrt(hd), self.key_block)  # [1, nh, S, hd] fp32
+        o = attend(q, kc, vc, bias, 1.0 / math.sqrt(hd), self.key_block)  # [1, nh, S, hd] fp32
         o = o.transpose(1, 2).reshape(1, S, nh * hd).to(self.dtype)
         o = o * torch.sigmoid(gate)
         return self._lin(o, a + "o_proj.weight")

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..manifest import Compilation, FileDigest, LocalOrigin, Strict
+from ..manifest import BackboneSource, Compilation, FileDigest, Strict, TensorSpec
 
 KIND = "decision-backbone"
 METADATA_VERSION = "0.2"
@@ -25,11 +25,6 @@ class Language(Strict):
     pad_token_id: int = Field(ge=0)
     layer_types: list[Literal["linear_attention", "full_attention"]]
     text_config: dict[str, Any]
-
-
-class TensorSpec(Strict):
-    shape: list[int | str]
-    dtype: Literal["int32", "fp16", "fp32"]
 
 
 class Interface(Strict):
@@ -55,14 +50,6 @@ class ImageInputs(Strict):
 
 
 Interface.model_rebuild()
-
-
-class BackboneSource(Strict):
-    hf_id: str
-    revision: str | None = Field(pattern=r"^[0-9a-f]{40}$")
-    files: dict[str, str]  # every file the build read -> sha256
-    synthetic: bool = False
-    origin: LocalOrigin | None = None
 
 
 class LayerWeights(Strict):

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .contract import LM
-from .weights import TensorInfo, as_f32, locate
+from ..engine.streamed_weights import TensorInfo, as_f32, locate
 
 
 def _read(folder: Path, t: TensorInfo, dtype):

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from .contract import LM
-from .quantize import layer_of
-from .weights import TensorInfo, raw_blocks, scale_exponent
+from .contract import layer_of
+from ..engine.streamed_weights import TensorInfo, raw_blocks, scale_exponent
 
 
 def dequantized_release(folder: Path, t: TensorInfo, scheme, scaled: bool) -> np.ndarray:
@@ -33,8 +33,8 @@ def dequantized_release(folder: Path, t: TensorInfo, scheme, scaled: bool) -> np
     the numpy rule over the whole matrix was half of a plan-weights record's time at real width."""
     import torch
 
-    from .quantize import codes_torch, dequantize_torch, scales_torch
-    from .weights import TILE_VALUES, torch_view
+    from ..engine.quantize import codes_torch, dequantize_torch, scales_torch
+    from ..engine.streamed_weights import TILE_VALUES, torch_view
 
     rows, cols = t.shape
     src = None  # the whole tensor as stored (bf16 / fp16 / fp32)

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..digest import sha256_file
+from ..engine.bundle_read import check_built_from
 from ..errors import IntegrityError
 from ..interrupts import gather_all, run_async
 from ..progress import plural
@@ -54,24 +55,6 @@ class ShippedBackbone:
         if chunks_for(tokens, chunk) * chunk > self.max_context:
             return f"{tokens} tokens in chunks of {chunk} exceed the backbone's context of {self.max_context}"
         return None
-
-
-def check_built_from(bundle: Path, release: Path, files: dict[str, str], what: str,
-                     digests: dict[str, str] | None = None) -> tuple[str, bool, str]:
-    """The release's files against a bundle manifest's source digests (the bundle was built from this
-    release); ``IntegrityError`` naming the first that is not. ``digests``: file -> sha256 already
-    taken in this command (the backbone and the vision bundle name the same shards: hashed once)."""
-    digests = {} if digests is None else digests
-    for name, want in sorted(files.items()):
-        path = release / name
-        if not path.is_file():
-            raise IntegrityError(f"{path}: missing; the {what} {bundle} was built from a release that has it")
-        if name not in digests:
-            digests[name] = sha256_file(path)
-        if digests[name] != want:
-            raise IntegrityError(f"{path}: sha256 differs from {bundle}'s manifest: the {what} was built from "
-                                 f"another release")
-    return (f"release {what} files = bundle's source", True, f"{plural(len(files), 'file')}")
 
 
 def open_backbone(bundle: Path, release: Path, hidden_size: int, digests: dict[str, str] | None = None) -> ShippedBackbone:

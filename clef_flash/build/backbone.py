@@ -25,12 +25,13 @@ from ..sources.pins import load_pins
 from ..provenance import asset_description, build_date, build_record
 from ..backbone.contract import FUNCTION, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract
 from ..backbone.contract import weight_names
-from ..backbone.quantize import compressed_names
-from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, BackboneSource, Interface, Language, TensorSpec
+from ..backbone.contract import compressed_names
+from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, Interface, Language
+from ..manifest import BackboneSource, TensorSpec
 from ..backbone.manifest import Compression, LayerWeights, PlanRef
 from ..backbone.plan import PLAN_FILE
 from ..backbone.files import TOKENIZER_DIR, check_pinned, read_files, release_config, verify_files
-from ..backbone.weights import asset_bytes, locate, scratch_bytes
+from ..engine.streamed_weights import asset_bytes, locate, scratch_bytes
 from ..gate.backbone import BackboneVerifyConfig, tolerances, verify_backbone
 from ..sources.safetensors import shard_files
 
@@ -192,7 +193,8 @@ def resolve_fp16_layers(cfg: BuildConfig, text: TextConfig, digests: dict[str, s
 
 def compression_section(p: Plan, mlirb_bytes: int) -> Compression | None:
     """The manifest's account of what was compressed, per decoder layer, and what stayed fp16."""
-    from ..backbone.quantize import SCALE_FLOOR, layer_of
+    from ..engine.quantize import SCALE_FLOOR
+    from ..backbone.contract import layer_of
 
     scheme, compressed = p.extra["scheme"], set(p.extra["compressed"])
     if scheme is None:
@@ -263,7 +265,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     # core of Python, and this reads only the release; the gate joins it (asset_weights.ReleaseSide)
     side = None
     if p.cfg.verify and recipe.verify.enabled:  # the gate will run (build.build's test)
-        from ..backbone.asset_weights import ReleaseSide
+        from ..engine.asset_readback import ReleaseSide
 
         # a compressed export reads the release past the page cache (``sweep``): so does its gate's side
         side = ReleaseSide(source, p.extra["infos"], recipe.compute == "fp32", scheme, p.extra["compressed"],

@@ -9,11 +9,12 @@ from pathlib import Path
 from ..bundle import atomic_write_json, check_free_space, check_output_path
 from ..digest import sha256_file, tree_files
 from ..errors import UsageError
-from ..formats import backend
+from ..head.backends import backend
 from ..gate.head import VerifyConfig, verify_bundle
 from ..head import contract
 from ..layout import MANIFEST_FILE
-from ..manifest import Seconds, common_fields
+from ..manifest import Seconds
+from ..head.manifest import common_fields
 from ..provenance import build_date, build_record
 from ..sources.author import check_author_trusted
 from ..sources.pins import CODE_FILE, WEIGHTS_FILE, load_pins
@@ -94,7 +95,7 @@ def gate(p: Plan, tmp: Path, log=lambda m: None):
 
 def summary(manifest) -> str:
     """What was built, in the format's own words (sizes)."""
-    from ..formats import of_manifest
+    from ..head.backends import of_manifest
 
     return of_manifest(manifest).summary(manifest)
 

@@ -50,7 +50,7 @@ class RowTable:
     cache), fp32: what the author's head reads as ``output_embedding_weight[token_ids]``."""
 
     def __init__(self, folder: Path, t) -> None:
-        from ..backbone.weights import as_f32
+        from ..engine.streamed_weights import as_f32
 
         self._as_f32 = as_f32
         self.t = t
@@ -70,9 +70,9 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     from ..backbone.contract import weight_names
     from ..backbone.files import read_files, release_config, verify_files
     from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, Trial, WeightPlan
-    from ..backbone.quantize import compressed_names, layer_of
+    from ..backbone.contract import compressed_names, layer_of
     from ..backbone.sensitivity import Dequantizer, LayerOutputs, layer_errors, rows_with
-    from ..backbone.weights import asset_bytes, locate
+    from ..engine.streamed_weights import asset_bytes, locate
     from ..bundle import atomic_write_json
     from ..digest import sha256_file
     from ..progress import progress

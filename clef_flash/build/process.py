@@ -45,7 +45,8 @@ def run_export_hashing(p, asset_dir: Path, job: dict, order: list[str], log: Cal
     the build here, named. ``p.files`` becomes every checked digest in ``order`` (the plan's)."""
     import time
 
-    from ..backbone.files import BackgroundHashes, compare
+    from ..engine.shard_hashes import BackgroundHashes
+    from ..backbone.files import compare
     from ..progress import plural
 
     worker_hashes = bool(job.get("hash_shards"))

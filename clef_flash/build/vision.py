@@ -24,8 +24,8 @@ from ..sources.pins import load_pins
 from ..sources.safetensors import INDEX_FILE, shard_files
 from ..provenance import asset_description, build_date, build_record
 from ..backbone.files import check_pinned, verify_files
-from ..backbone.manifest import BackboneSource, TensorSpec
-from ..backbone.weights import locate, scratch_bytes
+from ..manifest import BackboneSource, TensorSpec
+from ..engine.streamed_weights import locate, scratch_bytes
 from ..vision.contract import (INPUT_ORDER, KIND, OUTPUT_NAMES, PREPROCESSOR_CONFIG, VisionConfig, function_name,
                                input_dtypes, input_shapes, read_preprocessing, read_vision_config, weight_names)
 from ..vision.manifest import (HOST_CALL, METADATA_VERSION, PREPROCESS_RULE, Function, Preprocess, Tower, VisionExport,

@@ -1,15 +1,8 @@
-"""Backend ``aimodel``: the Core AI asset (macOS 27), the published format.
-
-ClefHeadGraph -> ``torch.export`` per trace group (one dynamic-T trace for the single-block
-buckets, one static trace for t4096) -> one coreai-torch converter, one entrypoint per group ->
-``to_coreai`` (optimized) -> the dynamic function specialised per bucket -> debug locations
-stripped -> ``save_asset`` -> every weight blob renamed after its own bytes (``mlirb``) ->
-``main.hash`` rewritten. The bytes are the same on any machine with the same tool versions.
-
-The same functions as every backend (``backends.Backend``): import the toolchain, convert and
-save, the manifest's ``export`` section, the bundle's files against the manifest, read-back
-checks, a runner for ``verify`` (the Core AI runtime, which runs on Linux CPUs), ``describe``.
-"""
+"""The Core AI asset format (macOS 27), for every model: import the toolchain, name composite graphs
+reproducibly, specialise a dynamic function per bucket, save (``main.mlirb`` with every blob named
+after its bytes, ``main.hash``), check a saved asset against its manifest's digest, run and describe it
+with the Core AI runtime (which runs on Linux CPUs). The bytes are the same on any machine with the
+same tool versions."""
 
 from __future__ import annotations
 
@@ -22,86 +15,23 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-from pydantic import Field
-
-from ..head import contract
-from ..digest import sha256_file, tree_bytes
+from ..digest import sha256_file
 from ..errors import IntegrityError, ToolchainError
-from ..manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file, check_file_size
+from ..manifest import check_file, check_file_size
+from .mlirb import Fill
 from ..interrupts import run_async
 
 FORMAT = "aimodel"
 SUFFIX = ".aimodel"
-RECIPE = "head_bucket_fp16w32.toml"  # in conversion/: what `build --format aimodel` builds
-SCHEMA_FILE = "metadata.schema.json"
 AOT = True  # `xcrun coreai-build compile` takes this format
 NAMING_SEED = 0x0C1EF  # coreai's composite-graph suffixes, drawn from this seed: reproducible bytes
-DYNAMIC_ENTRY = "tdyn"
 MLIRB, HASH = "main.mlirb", "main.hash"
 
 
 # ---------------------------------------------------------------- manifest
 
 
-class ExportAttempt(Strict):
-    externalize: str
-    ok: bool
-    seconds: float
-
-
-class Export(Strict):
-    aimodel_bytes: int = Field(ge=0)
-    main_mlirb: FileDigest
-    seconds: Seconds
-    export_attempts: list[ExportAttempt]
-
-
-class Manifest(Strict):
-    """``metadata.json`` of a Core AI bundle: the published manifest, key for key."""
-
-    metadata_version: str
-    kind: str
-    name: str
-    assets: dict[str, str]
-    head: Head
-    export: Export
-    aot: Aot | None
-    compilation: Compilation
-
-
-def manifest(common: dict[str, Any], recipe, asset_dir: Path, outputs: dict[str, str], seconds: Seconds) -> Manifest:
-    """The published manifest's shape; ``outputs`` are the digests already taken (relative to the
-    bundle), so nothing is hashed twice."""
-    mlirb = asset_dir / MLIRB
-    return Manifest(
-        **common,
-        export=Export(
-            aimodel_bytes=tree_bytes(asset_dir),
-            main_mlirb=FileDigest(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/{MLIRB}"]),
-            seconds=seconds,
-            export_attempts=[ExportAttempt(externalize="no externalize specs", ok=True, seconds=seconds.export)],
-        ),
-    )
-
-
-def record_parameters() -> dict[str, Any]:
-    """What the build record says about how this backend made its bytes reproducible."""
-    return {"naming_seed": NAMING_SEED, "resource_names": "w_<sha256 of the blob's bytes, 20 hex>"}
-
-
-def asset_digest(m: Manifest) -> str:
-    return m.export.main_mlirb.sha256
-
-
-def sizes(m: Manifest) -> dict[str, int]:
-    return {"asset_bytes": m.export.aimodel_bytes, "main_mlirb_bytes": m.export.main_mlirb.bytes}
-
-
-def summary(m: Manifest) -> str:
-    return f"main.mlirb {m.export.main_mlirb.bytes:,} bytes"
-
-
-def check_files(m: Manifest, asset: Path, digest: str | None = None, hashed: bool = True) -> list[tuple[str, bool, str]]:
+def check_files(m: Any, asset: Path, digest: str | None = None, hashed: bool = True) -> list[tuple[str, bool, str]]:
     """``main.mlirb`` against the manifest and ``main.hash``; raises ``IntegrityError`` naming the
     first broken file. ``digest``: main.mlirb's sha256 from a read the caller made anyway (the
     backbone gate's weight comparison); ``hashed=False``: sizes and ``main.hash`` only, the sha256
@@ -165,18 +95,6 @@ def needs_decomposition(ep) -> bool:
     return False
 
 
-def trace_program(graph, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int):
-    """``torch.export`` (static T, or dynamic T over ``buckets``), decomposed only if coreai needs it."""
-    from ..head.tracing import export_graph
-
-    ep = export_graph(graph, buckets, hidden_size, q_pad, o_pad)
-    if needs_decomposition(ep):  # ClefHeadGraph is written in ops coreai lowers directly: never, so far
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ep = ep.run_decompositions(import_toolchain().get_decomp_table())
-    return ep
-
-
 def specialise(program, entry: str, shapes: dict[int, dict[str, tuple[int, ...]]], name_of: Callable[[int], str]) -> None:
     """One static function per bucket from the dynamic entrypoint ``entry`` (``shapes``: bucket -> the
     dynamic inputs' static shapes), each named ``name_of(bucket)``."""
@@ -191,42 +109,6 @@ def specialise(program, entry: str, shapes: dict[int, dict[str, tuple[int, ...]]
         for op in program._module._body.region.blocks[0].operations:  # noqa: SLF001
             if isinstance(op, GraphOp) and op.sym_name.value.startswith(prefix):
                 op.attributes["sym_name"] = StringAttr.get(name_of(int(op.sym_name.value[len(prefix):])))
-
-
-def _specialise(program, buckets: tuple[int, ...], hidden_size: int, q_pad: int, o_pad: int) -> None:
-    """One static function per bucket from the dynamic-T graph, named like the rest (t512 …)."""
-    from ..head.tracing import T_AXES
-
-    shapes = {b: contract.input_shapes(b, hidden_size, q_pad, o_pad) for b in buckets}
-    specialise(program, DYNAMIC_ENTRY, {b: {n: s[n] for n in T_AXES} for b, s in shapes.items()}, contract.function_name)
-
-
-def convert(graph, recipe, hidden_size: int, asset_dir: Path, log: Callable[[str], None] = lambda msg: None):
-    """One converter, one entrypoint per trace group: the optimized multi-function program with one
-    function per bucket. Not under ``inference_mode``: torch.export traces twice as fast without it."""
-    from coreai_torch import TorchConverter
-    from coreai_torch.debugging.debug_info import strip_debug_info
-
-    from ..head.tracing import trace_groups
-
-    import_toolchain()
-    converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
-    dynamic: tuple[int, ...] = ()
-    for kind, buckets in trace_groups(recipe.buckets):
-        names = ", ".join(contract.function_name(b) for b in buckets)
-        log(f"tracing {names}" + (" (one trace, dynamic T)" if kind == "dynamic" else ""))
-        ep = trace_program(graph, buckets, hidden_size, recipe.q_pad, recipe.o_pad)
-        entry = DYNAMIC_ENTRY if kind == "dynamic" else contract.function_name(buckets[0])
-        dynamic = buckets if kind == "dynamic" else dynamic
-        converter.add_exported_program(ep, input_names=list(contract.INPUT_ORDER),
-                                       output_names=list(contract.OUTPUT_NAMES), entrypoint_name=entry)
-    log("converting")
-    with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink):
-        program = converter.to_coreai()
-        if dynamic:
-            _specialise(program, dynamic, hidden_size, recipe.q_pad, recipe.o_pad)
-    strip_debug_info(program)  # source locations would embed this machine's paths
-    return program
 
 
 def save_streamed(program, asset_dir: Path, metadata, write_hash: bool = True):
@@ -254,13 +136,12 @@ def save_streamed(program, asset_dir: Path, metadata, write_hash: bool = True):
 
 
 def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[str], None] = lambda msg: None,
-         fill=None):
+         fill: Fill | None = None):
     """``save_asset``, then the same bytes from the same content on any machine: weight blobs named
     after their bytes (the compiler keys them by a per-process hash), ``main.hash`` to match, the
     asset's metadata in a fixed key order with ``SOURCE_DATE_EPOCH`` as its creation date.
 
-    ``fill``: ``(sizes, supply)``, ``(sizes, supply, upcoming)`` or ``(sizes, supply, upcoming,
-    planned)`` for resources the program declares empty (``mlirb.inflate``): the bytecode is
+    ``fill`` (``mlirb.Fill``): resources the program declares empty (``mlirb.inflate``): the bytecode is
     written small and ``main.mlirb`` rewritten once with their data, named as above.
 
     Returns what was hashed on the way (``mlirb.Written``: the file's sha256 and every resource's),
@@ -285,14 +166,12 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
         written = stable_resource_names(asset_dir / MLIRB)
     else:
         part = asset_dir / (MLIRB + ".part")
-        sizes, supply, *hooks = fill
-        upcoming, planned = (list(hooks) + [None, None])[:2]
-        written = inflate(asset_dir / MLIRB, part, sizes, supply, upcoming=upcoming, planned=planned)
+        written = inflate(asset_dir / MLIRB, part, fill.sizes, fill.supply, upcoming=fill.upcoming, planned=fill.planned)
         os.replace(part, asset_dir / MLIRB)
     labels = {"supply": "waiting for converted bytes", "hashes": "waiting for the hashes", "write": "copying and writing"}
     waits = ", ".join(f"{labels[k]} {v:.1f} s" for k, v in (written.waits or {}).items())
     log(f"{written.renamed} weight blobs named after their sha256 in {time.perf_counter() - t0:.2f} s"
-        + (f", {len(fill[0])} of them converted into place ({waits})" if fill else ""))
+        + (f", {len(fill.sizes)} of them converted into place ({waits})" if fill else ""))
     atomic_write_bytes(asset_dir / HASH, bytes.fromhex(written.sha256))
     # the runtime writes its keys in hash-map order; the same content in a fixed order
     meta_path = asset_dir / "metadata.json"
@@ -301,11 +180,6 @@ def save(program, asset_dir: Path, description: dict[str, str], log: Callable[[s
 
 
 # ---------------------------------------------------------------- read back, run, describe
-
-
-def read_back(asset: Path, m: Manifest, hidden_size: int, params: dict[str, Any]) -> list[tuple[str, bool, str]]:
-    """Nothing beyond the files: the Core AI runtime runs the asset, which is the stronger check."""
-    return []
 
 
 def cannot_run() -> str | None:

@@ -19,6 +19,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 from ..direct_io import open_direct, refused
 
@@ -623,6 +624,17 @@ def _spent(seconds: dict[str, float], key: str):
         yield
     finally:
         seconds[key] += time.perf_counter() - t
+
+
+@dataclass(frozen=True)
+class Fill:
+    """The placeholders ``save`` fills while writing main.mlirb (``inflate``): each one's size, where its
+    bytes come from, and two optional hints for a supplier that reads ahead."""
+
+    sizes: dict[bytes, int]
+    supply: Callable[[bytes], Any]  # -> an iterable of bytes-like chunks
+    upcoming: Callable[[bytes], None] | None = None  # told the next placeholders to be filled
+    planned: Callable[[list[bytes]], None] | None = None  # told once the order they are filled in
 
 
 def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_", upcoming=None,

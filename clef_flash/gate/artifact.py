@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ..formats import Backend, load_manifest, of_manifest
+from ..head.backends import Backend, load_manifest, of_manifest
 from ..digest import tree_files
 from ..errors import IntegrityError
 from ..layout import MANIFEST_FILE, RECORD_FILE

@@ -237,7 +237,7 @@ def image_record(text, chunk: int, context: int, image_rows: int, source: Path, 
     non-square merged grid H x W (H < W) spanning a chunk boundary, text after it; the image's rows
     seeded, of the size of the release's embedding rows (the decoder's normal regime)."""
     from ..backbone.host import ImageSpan
-    from ..backbone.weights import as_f32, locate
+    from ..engine.streamed_weights import as_f32, locate
     from ..backbone.contract import LM
 
     # two rows, as wide as a chunk: a row / column swap moves the h positions by up to W - 1 (at tiny
@@ -270,7 +270,8 @@ def compression_of(m, text):
     """The manifest's scheme and the tensors it compressed (``quantize.compressed_names`` of its
     fp16 layers), checked against the count it states; ``(None, [])`` for fp16 weights."""
     from ..backbone.contract import weight_names
-    from ..backbone.quantize import Scheme, compressed_names
+    from ..engine.quantize import Scheme
+    from ..backbone.contract import compressed_names
 
     c = m.export.compression
     if m.export.weights == "fp16":
@@ -287,7 +288,7 @@ def compression_of(m, text):
 
 
 def _dequantized(mlirb: Path, found, scheme, name: str, red: str | None = None):
-    from ..backbone.asset_weights import dequantized
+    from ..engine.asset_readback import dequantized
 
     f = found.get(name)
     return None if f is None else dequantized(mlirb, f, scheme, red)
@@ -318,13 +319,13 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     from ..provenance import tool_versions
     from ..backbone import host
     from ..progress import counting, progress
-    from ..backbone.asset_weights import compare
+    from ..engine.asset_readback import compare
     from ..backbone.reference import StreamedTextModel
     from ..backbone.contract import weight_names
     from ..backbone.files import release_config
     from ..backbone.runtime import runner
-    from ..backbone.quantize import layer_of
-    from ..backbone.weights import locate
+    from ..backbone.contract import layer_of
+    from ..engine.streamed_weights import locate
 
     t_start = time.perf_counter()
     # main.mlirb's sha256 is taken below: by the weight comparison's read where that runs on a model

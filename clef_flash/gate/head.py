@@ -384,6 +384,6 @@ def asset_facts(bundle: Path) -> tuple[str, str, str]:
 
 def schema(fmt: str | None = None) -> dict[str, Any]:
     """The JSON Schema of a head bundle's ``metadata.json`` in format ``fmt`` (default: Core AI)."""
-    from ..formats import DEFAULT_FORMAT, json_schema
+    from ..head.backends import DEFAULT_FORMAT, json_schema
 
     return json_schema(fmt or DEFAULT_FORMAT)

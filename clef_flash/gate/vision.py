@@ -173,7 +173,7 @@ def reference_tower(source: Path, infos: dict[str, Any]):
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
     from transformers.utils import logging as hf_logging
 
-    from ..backbone.weights import read_f32
+    from ..engine.streamed_weights import read_f32
     from ..vision.contract import VISUAL
 
     hf_logging.set_verbosity_error()
@@ -226,8 +226,8 @@ def verify_vision(cfg: VisionVerifyConfig, log=lambda msg: None) -> VisionReport
     import torch
     from PIL import Image
 
-    from ..backbone.asset_weights import compare
-    from ..backbone.weights import locate
+    from ..engine.asset_readback import compare
+    from ..engine.streamed_weights import locate
     from ..provenance import tool_versions
     from ..vision.contract import VisionConfig, function_name, read_preprocessing, weight_names
     from ..vision.runtime import runner

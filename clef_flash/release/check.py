@@ -289,18 +289,58 @@ def _check_kinds(bundle: Path, backbone: Path | None, vision: Path | None = None
                              f"{as_option[want]}")
 
 
-def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
-    """Every request through the author's model and through the shipped head; see the module."""
-    from ..gate.artifact import check_bundle
-    from ..head.host import HostInputError, answers, check_fits, head_inputs, question_probs
-    from ..manifest import pads
-    from ..provenance import tool_versions
-    from ..backbone.shipped import hidden_rows, open_backbone
-    from ..vision.shipped import open_vision, prepare
-    from ..sources.reference import Reference, import_reference
+@dataclass
+class _Shipped:
+    """The bundles a check runs, opened and checked against the release, and the bar they set."""
 
-    t_start = time.perf_counter()
-    release, bundle = Path(cfg.release), Path(cfg.bundle)
+    manifest: Any
+    fmt: Any
+    asset: Path
+    checks: list[tuple[str, bool, str]]
+    module: Any
+    config: Any
+    state: Any
+    bar: float
+    bar_reason: str
+    mean_bar: float | None = None
+    backbone: Any = None
+    vision: Any = None
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(b for _, b in self.manifest.head.buckets)
+
+    @property
+    def names(self) -> dict[int, str]:
+        return {b: name for name, b in self.manifest.head.buckets}
+
+    @property
+    def pads(self) -> tuple[int, int]:
+        from ..manifest import pads
+
+        return pads(self.manifest.head)
+
+
+@dataclass
+class _Tally:
+    """The comparison of every answered question, summed as the transcript reports it."""
+
+    failures: list[str] = field(default_factory=list)
+    outcome: Counter = field(default_factory=Counter)
+    max_dp: float = 0.0
+    argmax_equal: int = 0
+    questions: int = 0
+    tokens_equal: int = 0
+    dp_sum: float = 0.0  # over every option probability: the mean bar of an fp16 backbone
+    dp_count: int = 0
+
+    @property
+    def mean_dp(self) -> float:
+        return self.dp_sum / self.dp_count if self.dp_count else 0.0
+
+
+def _check_options(cfg: CheckConfig, release: Path, bundle: Path) -> None:
+    """Every option, and which bundle is which, refused before any work."""
     if cfg.red is not None and cfg.red not in RED_ARMS:
         raise UsageError(f"--red must be one of {', '.join(RED_ARMS)}, got {cfg.red!r}")
     if cfg.dtype not in BARS:
@@ -314,8 +354,13 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     if not release.is_dir():
         raise UsageError(f"{release}: release folder not found")
     _check_kinds(bundle, cfg.backbone, cfg.vision)  # a bundle passed in another's place: said at once, by name
-    requests = load_requests(cfg.requests or default_requests(), images=True)
-    import_reference()
+
+
+def _open_shipped(cfg: CheckConfig, release: Path, bundle: Path) -> _Shipped:
+    """The head bundle (and the backbone and vision bundles) against the release; the widest bar."""
+    from ..backbone.shipped import open_backbone
+    from ..gate.artifact import check_bundle
+    from ..vision.shipped import open_vision
 
     manifest, fmt, asset, checks = check_bundle(bundle)
     bad = [f"{n}: {d}" for n, ok, d in checks if not ok]
@@ -324,199 +369,194 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     why_not = fmt.cannot_run()
     if why_not:
         raise ToolchainError(f"{bundle}: cannot run its {fmt.FORMAT} asset on this machine ({why_not})")
-    buckets = tuple(b for _, b in manifest.head.buckets)
-    names = {b: name for name, b in manifest.head.buckets}
-    q_pad, o_pad = pads(manifest.head)
     module, config, state = _release_module(release, manifest)
     bar, bar_reason = BARS[cfg.dtype]
-    mean_bar = None
-    backbone = None
+    side = _Shipped(manifest, fmt, asset, checks, module, config, state, bar, bar_reason)
     hashed: dict[str, str] = {}  # release file -> sha256, taken once for the backbone and the tower
     if cfg.backbone is not None:
-        backbone = open_backbone(Path(cfg.backbone), release, config.hidden_size, hashed)
-        checks.extend(backbone.checks)
-        bb_bar = BACKBONE_BARS["compressed" if backbone.manifest.export.weights != "fp16" else backbone.compute]
+        side.backbone = open_backbone(Path(cfg.backbone), release, config.hidden_size, hashed)
+        checks.extend(side.backbone.checks)
+        bb_bar = BACKBONE_BARS["compressed" if side.backbone.manifest.export.weights != "fp16" else side.backbone.compute]
         if bb_bar["max_abs_dp"] > bar:
-            bar, bar_reason = bb_bar["max_abs_dp"], bb_bar["reason"]
+            side.bar, side.bar_reason = bb_bar["max_abs_dp"], bb_bar["reason"]
         else:
-            bar_reason = f"{bar_reason}; {bb_bar['reason']}"
-        mean_bar = bb_bar["mean_abs_dp"]
-    vision = None
+            side.bar_reason = f"{bar_reason}; {bb_bar['reason']}"
+        side.mean_bar = bb_bar["mean_abs_dp"]
     if cfg.vision is not None:
-        vision = open_vision(Path(cfg.vision), release, config.hidden_size, hashed)
-        checks.extend(vision.checks)
+        side.vision = open_vision(Path(cfg.vision), release, config.hidden_size, hashed)
+        checks.extend(side.vision.checks)
+    return side
 
-    with tempfile.TemporaryDirectory(prefix="clef-check-") as tmp:
-        if cfg.table is not None:
-            table, table_info = _open_given_table(cfg.table, release)
-        else:
-            table, table_info = _build_table(release, Path(tmp), log)
-        if table.shape[1] != config.hidden_size:
-            raise IntegrityError(f"{table_info['table']}: rows of {table.shape[1]} values; the head's hidden size is "
-                                 f"{config.hidden_size}")
-        ref_model = Reference(release, module, config, state, device=cfg.device, dtype=cfg.dtype, log=log)
-        shipped_table = NextRowTable(table) if cfg.red == "lexical" else table
 
-        # the reference side, request by request; the shipped side's inputs from the same tokens
-        entries: list[dict[str, Any]] = []
-        seen_by: list[tuple[int, Any, Any, int]] = []  # (entry index, Seen, the questions the host reads, bucket)
-        prepared: dict[int, Any] = {}  # entry index -> the host's image (vision.shipped.PreparedImage)
-        t_ref = time.perf_counter()
-        from ..progress import progress
+def _table(cfg: CheckConfig, release: Path, tmp: Path, hidden_size: int, log) -> tuple[Any, dict[str, Any]]:
+    """The lm_head table the host reads: the one given, or one built from the release."""
+    table, info = _open_given_table(cfg.table, release) if cfg.table is not None else _build_table(release, tmp, log)
+    if table.shape[1] != hidden_size:
+        raise IntegrityError(f"{info['table']}: rows of {table.shape[1]} values; the head's hidden size is {hidden_size}")
+    return table, info
 
-        with progress("reference: the author's systemone", len(requests), "requests") as tick:
-            for req in requests:
-                tick()
-                entry: dict[str, Any] = {"id": req.id, "line": req.line, "questions": len(req.body["questions"])}
-                entries.append(entry)
-                if req.images:
-                    entry["image"] = {"file": str(req.images[0])}
-                    why = image_not_run(ref_model, backbone, vision)
-                    if why:
-                        entry["tokens"], entry["options"], entry["does_not_fit"] = 0, 0, why
-                        continue
-                encoded = ref_model.encode(req.body)
-                entry["tokens"] = len(encoded.input_ids)
-                entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
-                try:
-                    bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=buckets)
-                    if req.images and vision is not None:
-                        im = prepare(vision, req.images[0], req.body.get("media_kwargs"))
-                        entry["image"].update({"tokens": im.grid.tokens, "grid": list(im.grid.merged)})
-                        if im.bucket is None:
-                            raise HostInputError(f"{im.grid.tokens} vision tokens ({im.grid.merged[0]} x {im.grid.merged[1]}) "
-                                                 f"exceed the vision asset's cap of {vision.cap} (media_kwargs max_pixels "
-                                                 f"bounds an image)")
-                        rows = backbone.manifest.interface.vision.image_rows
-                        if im.grid.tokens > rows:
-                            raise HostInputError(f"{im.grid.tokens} vision tokens exceed the backbone's {rows} image rows")
-                        prepared[len(entries) - 1] = im
-                    too_long = backbone.does_not_fit(entry["tokens"]) if backbone is not None else None
-                    if too_long:
-                        raise HostInputError(too_long)
-                except HostInputError as exc:
-                    entry["does_not_fit"] = str(exc)
+
+def _fit(req, entry: dict[str, Any], encoded, side: _Shipped, prepared: dict[int, Any], index: int) -> int | None:
+    """The bucket a request runs in, its image prepared; None (the reason in ``entry``) when it does not fit."""
+    from ..head.host import HostInputError, check_fits
+    from ..vision.shipped import prepare
+
+    q_pad, o_pad = side.pads
+    backbone, vision = side.backbone, side.vision
+    try:
+        bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=side.buckets)
+        if req.images and vision is not None:
+            im = prepare(vision, req.images[0], req.body.get("media_kwargs"))
+            entry["image"].update({"tokens": im.grid.tokens, "grid": list(im.grid.merged)})
+            if im.bucket is None:
+                raise HostInputError(f"{im.grid.tokens} vision tokens ({im.grid.merged[0]} x {im.grid.merged[1]}) "
+                                     f"exceed the vision asset's cap of {vision.cap} (media_kwargs max_pixels "
+                                     f"bounds an image)")
+            rows = backbone.manifest.interface.vision.image_rows
+            if im.grid.tokens > rows:
+                raise HostInputError(f"{im.grid.tokens} vision tokens exceed the backbone's {rows} image rows")
+            prepared[index] = im
+        too_long = backbone.does_not_fit(entry["tokens"]) if backbone is not None else None
+        if too_long:
+            raise HostInputError(too_long)
+    except HostInputError as exc:
+        entry["does_not_fit"] = str(exc)
+        return None
+    return bucket
+
+
+def _reference_pass(cfg: CheckConfig, requests, ref_model, side: _Shipped):
+    """The reference side, request by request: (entries, [(entry index, Seen, the questions the host
+    reads, bucket)], entry index -> the host's prepared image)."""
+    from ..progress import progress
+
+    entries: list[dict[str, Any]] = []
+    seen_by: list[tuple[int, Any, Any, int]] = []
+    prepared: dict[int, Any] = {}
+    with progress("reference: the author's systemone", len(requests), "requests") as tick:
+        for req in requests:
+            tick()
+            i = len(entries)
+            entry: dict[str, Any] = {"id": req.id, "line": req.line, "questions": len(req.body["questions"])}
+            entries.append(entry)
+            if req.images:
+                entry["image"] = {"file": str(req.images[0])}
+                why = image_not_run(ref_model, side.backbone, side.vision)
+                if why:
+                    entry["tokens"], entry["options"], entry["does_not_fit"] = 0, 0, why
                     continue
-                entry["function"] = names[bucket]
-                response, seen = ref_model.answer(req.body)
-                if tuple(seen.ids.tolist()) != tuple(encoded.input_ids):
-                    raise RuntimeError(f"request {req.id}: systemone encoded other tokens than encode_record")
-                entry["reference"] = response
-                if len(entries) - 1 in prepared:
-                    im = prepared[len(entries) - 1]
-                    theirs = np.asarray(seen.record.media["pixel_values"])
-                    entry["image"]["host_patches_equal"] = bool(theirs.shape == im.patches.shape and np.array_equal(theirs, im.patches))
-                    entry["image"]["host_prompt_equal"] = host_prompt_equal(ref_model, req.body, seen, im.grid.tokens)
-                    entry["image"]["function"] = f"n{im.bucket}"
-                questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
-                if cfg.red == "spans":
-                    questions = _shift_spans(questions, len(seen.ids))
-                seen_by.append((len(entries) - 1, seen, questions, bucket))
-        ref_seconds = time.perf_counter() - t_ref
-        log(f"reference: {plural(len(seen_by), 'request')} answered in {ref_seconds:.1f} s; "
-            f"{len(entries) - len(seen_by)} do not fit")
+            encoded = ref_model.encode(req.body)
+            entry["tokens"] = len(encoded.input_ids)
+            entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
+            bucket = _fit(req, entry, encoded, side, prepared, i)
+            if bucket is None:
+                continue
+            entry["function"] = side.names[bucket]
+            response, seen = ref_model.answer(req.body)
+            if tuple(seen.ids.tolist()) != tuple(encoded.input_ids):
+                raise RuntimeError(f"request {req.id}: systemone encoded other tokens than encode_record")
+            entry["reference"] = response
+            if i in prepared:
+                im = prepared[i]
+                theirs = np.asarray(seen.record.media["pixel_values"])
+                entry["image"]["host_patches_equal"] = bool(theirs.shape == im.patches.shape and np.array_equal(theirs, im.patches))
+                entry["image"]["host_prompt_equal"] = host_prompt_equal(ref_model, req.body, seen, im.grid.tokens)
+                entry["image"]["function"] = f"n{im.bucket}"
+            questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
+            if cfg.red == "spans":
+                questions = _shift_spans(questions, len(seen.ids))
+            seen_by.append((i, seen, questions, bucket))
+    return entries, seen_by, prepared
 
-        # the hidden rows: the reference's, or the backbone asset's on the same token ids
-        t_bb = time.perf_counter()
-        spans = [None] * len(seen_by)
-        vision_seconds = 0.0
-        if prepared:
-            spans, vision_seconds = _image_spans(vision, ref_model, seen_by, prepared, entries)
-        if backbone is not None:
-            hiddens = hidden_rows(backbone, [seen.ids for _, seen, _, _ in seen_by], red=cfg.red, images=spans)
-            for (i, seen, _, _), h in zip(seen_by, hiddens, strict=True):
-                entries[i]["backbone_rel_max_abs_d"] = float(np.abs(h - seen.hidden).max()
-                                                             / max(float(np.abs(seen.hidden).max()), 1e-30))
-        else:
-            hiddens = [seen.hidden for _, seen, _, _ in seen_by]
-        bb_seconds = time.perf_counter() - t_bb
-        jobs: list[tuple[int, Any, Any]] = []  # (entry index, HostInputs, Seen)
-        for (i, seen, questions, bucket), hidden in zip(seen_by, hiddens, strict=True):
-            hi = head_inputs(hidden, seen.ids, questions, shipped_table, bucket, q_pad=q_pad, o_pad=o_pad,
-                             buckets=buckets)
-            jobs.append((i, hi, seen))
 
-        t_run = time.perf_counter()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            logits = run_async(lambda: _run_all(fmt.runner, asset, [(names[hi.bucket], hi) for _, hi, _ in jobs]))
-        run_seconds = time.perf_counter() - t_run
+def _hidden_rows(cfg: CheckConfig, side: _Shipped, ref_model, seen_by, prepared, entries) -> tuple[list[Any], float]:
+    """The hidden rows the head reads: the reference's, or the backbone asset's on the same token ids
+    (an image's rows from the tower asset); and the tower's seconds."""
+    from ..backbone.shipped import hidden_rows
 
-    failures: list[str] = []
-    outcome: Counter[str] = Counter()
-    max_dp, argmax_equal, questions_n, tokens_equal = 0.0, 0, 0, 0
-    dp_sum, dp_count = 0.0, 0  # over every option probability: the mean bar of an fp16 backbone
+    spans, vision_seconds = [None] * len(seen_by), 0.0
+    if prepared:
+        spans, vision_seconds = _image_spans(side.vision, ref_model, seen_by, prepared, entries)
+    if side.backbone is None:
+        return [seen.hidden for _, seen, _, _ in seen_by], vision_seconds
+    hiddens = hidden_rows(side.backbone, [seen.ids for _, seen, _, _ in seen_by], red=cfg.red, images=spans)
+    for (i, seen, _, _), h in zip(seen_by, hiddens, strict=True):
+        entries[i]["backbone_rel_max_abs_d"] = float(np.abs(h - seen.hidden).max()
+                                                     / max(float(np.abs(seen.hidden).max()), 1e-30))
+    return hiddens, vision_seconds
+
+
+def _compare_all(requests, entries, jobs, logits, bar: float) -> _Tally:
+    """Every answered request's questions against the author's, field by field (``compare_question``)."""
+    from ..head.host import answers, question_probs
+
+    t = _Tally()
     for (i, hi, seen), out in zip(jobs, logits, strict=True):
-        entry = entries[i]
-        req = requests[i]
+        entry, req = entries[i], requests[i]
         probs = question_probs(out, hi.layout)
         got = answers(req.body["questions"], seen.record.questions, probs)
         ref_answers = entry["reference"]["answers"]
-        shipped = {"model": req.body["model"], "answers": got,
-                   "usage": {"input_tokens": hi.length, "output_tokens": 0}}
-        entry["shipped"] = shipped
+        entry["shipped"] = shipped = {"model": req.body["model"], "answers": got,
+                                      "usage": {"input_tokens": hi.length, "output_tokens": 0}}
         if shipped["usage"] != entry["reference"]["usage"]:
-            failures.append(f"{req.id}: usage {shipped['usage']} vs the author's {entry['reference']['usage']}")
+            t.failures.append(f"{req.id}: usage {shipped['usage']} vs the author's {entry['reference']['usage']}")
         else:
-            tokens_equal += 1
+            t.tokens_equal += 1
         if list(got) != list(ref_answers):
-            failures.append(f"{req.id}: answered questions {list(got)} vs the author's {list(ref_answers)}")
+            t.failures.append(f"{req.id}: answered questions {list(got)} vs the author's {list(ref_answers)}")
             continue
         per_q = {}
         for q, p_got, p_ref in zip(seen.record.questions, probs, seen.probs, strict=True):
             cmp = compare_question(req.body["questions"][q.question_id], ref_answers[q.question_id], got[q.question_id],
                                    p_ref, p_got, q.option_ids, bar)
             per_q[q.question_id] = cmp
-            outcome[cmp["status"]] += 1
-            questions_n += 1
-            argmax_equal += int(cmp["argmax_equal"])
-            max_dp = max(max_dp, cmp["max_abs_dp"])
-            dp_sum += float(np.abs(p_ref.astype(np.float64) - p_got.astype(np.float64)).sum())
-            dp_count += len(p_ref)
+            t.outcome[cmp["status"]] += 1
+            t.questions += 1
+            t.argmax_equal += int(cmp["argmax_equal"])
+            t.max_dp = max(t.max_dp, cmp["max_abs_dp"])
+            t.dp_sum += float(np.abs(p_ref.astype(np.float64) - p_got.astype(np.float64)).sum())
+            t.dp_count += len(p_ref)
             if cmp["status"] == DISAGREE:
-                failures.append(f"{req.id} / {q.question_id}: {cmp['why']}")
+                t.failures.append(f"{req.id} / {q.question_id}: {cmp['why']}")
         entry["compare"] = per_q
+    return t
 
-    fitted = [e for e in entries if "function" in e]
-    not_fit = [e for e in entries if "does_not_fit" in e]
-    used = Counter(e["function"] for e in fitted)
-    if not fitted:
-        failures.append("no request fits the bundle: nothing was compared")
-    mean_dp = dp_sum / dp_count if dp_count else 0.0
-    if mean_bar is not None and mean_dp > mean_bar:
-        failures.append(f"mean |d p| {mean_dp:.3g} over {dp_count} probabilities > {mean_bar:g}")
-    bb_rel = [e["backbone_rel_max_abs_d"] for e in entries if "backbone_rel_max_abs_d" in e]
-    with_image = [e for e in fitted if "image" in e]
+
+def _image_failures(with_image: list[dict[str, Any]]) -> list[str]:
+    out = []
     for e in with_image:
         if "host_patches_equal" in e["image"] and not e["image"]["host_patches_equal"]:
-            failures.append(f"{e['id']}: the host's patches differ from the author's processor's pixel_values")
+            out.append(f"{e['id']}: the host's patches differ from the author's processor's pixel_values")
         if "host_prompt_equal" in e["image"] and not e["image"]["host_prompt_equal"]:
-            failures.append(f"{e['id']}: the host's image prompt (the text prompt, the image's N + 3 tokens inserted, "
-                            f"the spans shifted) differs from the author's")
+            out.append(f"{e['id']}: the host's image prompt (the text prompt, the image's N + 3 tokens inserted, "
+                       f"the spans shifted) differs from the author's")
+    return out
+
+
+def _summary(side: _Shipped, entries, t: _Tally, seconds: dict[str, float]) -> dict[str, Any]:
+    """The transcript's summary; the failures that only the whole run shows are added to ``t``."""
+    fitted = [e for e in entries if "function" in e]
+    if not fitted:
+        t.failures.append("no request fits the bundle: nothing was compared")
+    if side.mean_bar is not None and t.mean_dp > side.mean_bar:
+        t.failures.append(f"mean |d p| {t.mean_dp:.3g} over {t.dp_count} probabilities > {side.mean_bar:g}")
+    with_image = [e for e in fitted if "image" in e]
+    t.failures.extend(_image_failures(with_image))
+    used = Counter(e["function"] for e in fitted)
+    bb_rel = [e["backbone_rel_max_abs_d"] for e in entries if "backbone_rel_max_abs_d" in e]
     image_dp = [c["max_abs_dp"] for e in with_image for c in e.get("compare", {}).values()]
-    checks.append(("release head = bundle's source", True, f"{manifest.head.source.hf_id}"))
-    checks.append(("lexical table", True, f"{table_info['table']} ({table_info['source_file']})"))
-    summary = {
-        "ok": not failures,
-        "requests": len(entries),
-        "checked": len(fitted),
-        "does_not_fit": len(not_fit),
-        "questions": questions_n,
-        "answers_equal": outcome[EQUAL],
-        "near_ties": outcome[NEAR_TIE],
-        "rounded_digits": outcome[ROUNDED],
-        "disagreements": outcome[DISAGREE],
-        "argmax_equal": argmax_equal,
-        "usage_equal": tokens_equal,
-        "max_abs_dp": max_dp,
-        "bar": bar,
-        "max_over_bar": max_dp / bar,
-        "mean_abs_dp": mean_dp,
-        "mean_bar": mean_bar,
+    backbone, vision = side.backbone, side.vision
+    return {
+        "ok": not t.failures, "requests": len(entries), "checked": len(fitted),
+        "does_not_fit": sum(1 for e in entries if "does_not_fit" in e), "questions": t.questions,
+        "answers_equal": t.outcome[EQUAL], "near_ties": t.outcome[NEAR_TIE], "rounded_digits": t.outcome[ROUNDED],
+        "disagreements": t.outcome[DISAGREE], "argmax_equal": t.argmax_equal, "usage_equal": t.tokens_equal,
+        "max_abs_dp": t.max_dp, "bar": side.bar, "max_over_bar": t.max_dp / side.bar,
+        "mean_abs_dp": t.mean_dp, "mean_bar": side.mean_bar,
         "backbone": None if backbone is None else {
             "bundle": str(backbone.bundle), "compute": backbone.compute, "weights": backbone.manifest.export.weights,
             "asset_sha256": backbone.manifest.export.main_mlirb.sha256,
-            "hidden_rel_max_abs_d": max(bb_rel, default=0.0), "seconds": bb_seconds},
+            "hidden_rel_max_abs_d": max(bb_rel, default=0.0), "seconds": seconds["backbone"]},
         "images": {"requests": len(with_image), "through_vision": sum(1 for e in with_image if "function" in e["image"]),
                    "max_abs_dp": max(image_dp, default=0.0),
                    "vision_rel_max_abs_d": max((e["image"].get("vision_rel_max_abs_d", 0.0) for e in with_image), default=0.0),
@@ -525,34 +565,75 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
                    "native_grid": True, "port_square_tile_max_abs_dp": PORT_SQUARE_TILE_DP,
                    "vision": None if vision is None else {"bundle": str(vision.bundle), "compute": vision.manifest.export.compute,
                                                           "asset_sha256": vision.manifest.export.main_mlirb.sha256,
-                                                          "seconds": vision_seconds}},
-        "functions_used": {name: used.get(name, 0) for name, _ in manifest.head.buckets},
-        "seconds": {"reference": ref_seconds, "backbone": bb_seconds, "shipped": run_seconds, "total": time.perf_counter() - t_start},
+                                                          "seconds": seconds["vision"]}},
+        "functions_used": {name: used.get(name, 0) for name, _ in side.manifest.head.buckets},
+        "seconds": {k: seconds[k] for k in ("reference", "backbone", "shipped", "total")},
     }
-    transcript = {
-        "command": "check-release",
-        "release": str(release),
-        "bundle": str(bundle),
-        "format": fmt.FORMAT,
-        "asset_sha256": fmt.asset_digest(manifest),
+
+
+def _transcript(cfg: CheckConfig, side: _Shipped, entries, t: _Tally, table_info, summary) -> dict[str, Any]:
+    from ..provenance import tool_versions
+
+    manifest = side.manifest
+    return {
+        "command": "check-release", "release": str(Path(cfg.release)), "bundle": str(Path(cfg.bundle)),
+        "format": side.fmt.FORMAT, "asset_sha256": side.fmt.asset_digest(manifest),
         "source": {"hf_id": manifest.head.source.hf_id, "revision": manifest.head.source.revision},
-        "requests_file": str(cfg.requests or default_requests()),
-        "device": cfg.device,
-        "dtype": cfg.dtype,
-        "red": cfg.red,
-        "bar": {"max_abs_dp": bar, "mean_abs_dp": mean_bar, "reason": bar_reason},
+        "requests_file": str(cfg.requests or default_requests()), "device": cfg.device, "dtype": cfg.dtype, "red": cfg.red,
+        "bar": {"max_abs_dp": side.bar, "mean_abs_dp": side.mean_bar, "reason": side.bar_reason},
         "outcomes": {EQUAL: "every field equal", NEAR_TIE: "the chosen option differs between two options within the bar",
                      ROUNDED: "only rounded numbers differ, every probability within the bar",
                      DISAGREE: "fails: a probability beyond the bar, or a difference noise cannot explain"},
-        "table": table_info,
-        "summary": summary,
-        "does_not_fit": [{"id": e["id"], "line": e["line"], "tokens": e["tokens"], "why": e["does_not_fit"]} for e in not_fit],
-        "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
-        "failures": failures,
-        "requests": entries,
+        "table": table_info, "summary": summary,
+        "does_not_fit": [{"id": e["id"], "line": e["line"], "tokens": e["tokens"], "why": e["does_not_fit"]}
+                         for e in entries if "does_not_fit" in e],
+        "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in side.checks],
+        "failures": t.failures, "requests": entries,
         "versions": tool_versions(extra=("transformers", "accelerate", "tokenizers")),
     }
-    return CheckReport(checks=checks, transcript=transcript, failures=failures)
+
+
+def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
+    """Every request through the author's model and through the shipped head; see the module."""
+    from ..head.host import head_inputs
+    from ..sources.reference import Reference, import_reference
+
+    t_start = time.perf_counter()
+    release, bundle = Path(cfg.release), Path(cfg.bundle)
+    _check_options(cfg, release, bundle)
+    requests = load_requests(cfg.requests or default_requests(), images=True)
+    import_reference()
+    side = _open_shipped(cfg, release, bundle)
+    q_pad, o_pad = side.pads
+    seconds: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="clef-check-") as tmp:
+        table, table_info = _table(cfg, release, Path(tmp), side.config.hidden_size, log)
+        ref_model = Reference(release, side.module, side.config, side.state, device=cfg.device, dtype=cfg.dtype, log=log)
+        shipped_table = NextRowTable(table) if cfg.red == "lexical" else table
+        t0 = time.perf_counter()
+        entries, seen_by, prepared = _reference_pass(cfg, requests, ref_model, side)
+        seconds["reference"] = time.perf_counter() - t0
+        log(f"reference: {plural(len(seen_by), 'request')} answered in {seconds['reference']:.1f} s; "
+            f"{len(entries) - len(seen_by)} do not fit")
+        t0 = time.perf_counter()
+        hiddens, seconds["vision"] = _hidden_rows(cfg, side, ref_model, seen_by, prepared, entries)
+        seconds["backbone"] = time.perf_counter() - t0
+        jobs = [(i, head_inputs(hidden, seen.ids, questions, shipped_table, bucket, q_pad=q_pad, o_pad=o_pad,
+                                buckets=side.buckets), seen)
+                for (i, seen, questions, bucket), hidden in zip(seen_by, hiddens, strict=True)]
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            calls = [(side.names[hi.bucket], hi) for _, hi, _ in jobs]
+            logits = run_async(lambda: _run_all(side.fmt.runner, side.asset, calls))
+        seconds["shipped"] = time.perf_counter() - t0
+    tally = _compare_all(requests, entries, jobs, logits, side.bar)
+    side.checks.append(("release head = bundle's source", True, f"{side.manifest.head.source.hf_id}"))
+    side.checks.append(("lexical table", True, f"{table_info['table']} ({table_info['source_file']})"))
+    seconds["total"] = time.perf_counter() - t_start
+    summary = _summary(side, entries, tally, seconds)
+    transcript = _transcript(cfg, side, entries, tally, table_info, summary)
+    return CheckReport(checks=side.checks, transcript=transcript, failures=tally.failures)
 
 
 def host_prompt_equal(ref_model, body: dict[str, Any], seen, tokens: int) -> bool:

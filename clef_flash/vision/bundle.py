@@ -8,7 +8,7 @@ from pathlib import Path
 
 def check_files(bundle: Path):
     """The manifest and its asset; ``IntegrityError`` naming the first broken file."""
-    from ..backbone.bundle import read_asset_bundle
+    from ..engine.bundle_read import read_asset_bundle
     from .manifest import VisionManifest
 
     return read_asset_bundle(bundle, VisionManifest, "vision")

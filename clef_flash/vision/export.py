@@ -1,17 +1,10 @@
-"""Export of ``VisionTower``: one ``torch.export`` with a dynamic patch count (P = merge^2 * n) and
-coreai-torch's decompositions in the same trace (``backbone.export.export_lowered``) -> one
-coreai-torch converter (the backbone's resource hooks: matrices as placeholders filled when
-``main.mlirb`` is written) -> one static function per bucket (``set_static_shape_config``, as
-the head's buckets) -> a streamed save (``mlirb.inflate``).
-
-The weights are shared by every function (one set of blobs), and never all in memory: the release's
-bf16 matrices are converted to fp16 straight into ``main.mlirb`` (``backbone.weights``).
-"""
+"""Export of ``VisionTower``: one ``torch.export`` with a dynamic patch count (P = merge^2 * n),
+lowered in one trace (``engine.lowered``), converted with the engine's resource hooks, one static
+function per bucket (as the head's buckets), saved streamed. The weights are shared by every function
+(one set of blobs) and never all in memory."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 from pathlib import Path
 from typing import Callable
@@ -45,7 +38,7 @@ def trace(module, cfg: VisionConfig, buckets: tuple[int, ...], log: Callable[[st
     (one bucket: static)."""
     from torch.export import Dim
 
-    from ..backbone.export import export_lowered
+    from ..engine.lowered import export_lowered
 
     dynamic = None
     if len(buckets) > 1:
@@ -67,40 +60,23 @@ def _specialise(program, cfg: VisionConfig, buckets: tuple[int, ...]) -> None:
 
 def convert(programs: list[tuple[str, tuple[int, ...], object]], cfg: VisionConfig,
             streamed: dict[int, tuple[str, int]], log: Callable[[str], None] = lambda m: None):
-    """One converter, one entrypoint per trace group ``(entry, buckets, exported program)``."""
-    from coreai_torch import TorchConverter
-    from coreai_torch.debugging.debug_info import strip_debug_info
+    """One converter, one entrypoint per trace group ``(entry, buckets, exported program)``; the
+    dynamic one specialised per bucket."""
+    from ..engine.converter import Entry
+    from ..engine.converter import convert as convert_entries
 
-    from ..backbone.export import Resources, constants_from_buffers
-    from ..formats.aimodel import deterministic_naming
-
-    t0 = time.perf_counter()
-    with deterministic_naming(), open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
-            constants_from_buffers(streamed) as hooked:
-        converter = TorchConverter(mode=TorchConverter.Mode.RELEASE)
-        for entry, _buckets, ep in programs:
-            converter.add_exported_program(ep, input_names=list(INPUT_ORDER), output_names=list(OUTPUT_NAMES),
-                                           entrypoint_name=entry)
-        program = converter.to_coreai()
-        for entry, buckets, _ep in programs:
-            if entry == DYNAMIC_ENTRY:
-                _specialise(program, cfg, buckets)
-    made = hooked or Resources()
-    strip_debug_info(program)  # source locations would embed this machine's paths
-    if streamed and len(set(made.streamed.values())) != len(streamed):
-        missing = sorted(set(n for n, _ in streamed.values()) - set(n for n, _ in made.streamed.values()))
-        raise RuntimeError(f"the converter did not take {missing[0]} as the tensor it was given"
-                           + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
-    log(f"converted in {time.perf_counter() - t0:.1f} s")
-    return program, made
+    dynamic = [buckets for entry, buckets, _ep in programs if entry == DYNAMIC_ENTRY]
+    entries = [Entry(entry, ep, INPUT_ORDER, OUTPUT_NAMES) for entry, _buckets, ep in programs]
+    return convert_entries(entries, log, streamed=streamed,
+                           specialise=lambda program: [_specialise(program, cfg, b) for b in dynamic])
 
 
 def export_job(job: dict, log: Callable[[str], None]) -> dict:
     """The worker's vision job: weights mapped, traced once, converted, specialised, saved."""
-    from ..backbone.weights import load_weights, release_freed_memory
+    from ..engine.converter import save_filled
+    from ..engine.streamed_weights import load_weights, trim_freed_memory
     from ..errors import ToolchainError
-    from ..formats.aimodel import import_toolchain, save
-    from ..formats.mlirb import MissingPlaceholders
+    from ..formats.aimodel import import_toolchain
     from .contract import weight_names
     from .graph import VisionTower
 
@@ -116,7 +92,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     tensors = weights.tensors()
     module = VisionTower(cfg, tensors, job["compute"], exponents=weights.exponents)
     streamed = {tensors[n].data_ptr(): (n, tensors[n].numel() * 2) for n in weights.streamed}
-    release_freed_memory()
+    trim_freed_memory()
     t_weights = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
@@ -130,15 +106,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
         raise ToolchainError(f"export of the vision tower failed: {type(exc).__name__}: {first}") from exc
     del programs, module, tensors
     t0 = time.perf_counter()
-    fill = None
-    if made.streamed:
-        fill = ({tag: size for tag, (_, size) in made.streamed.items()}, lambda tag: weights.stream(made.streamed[tag][0]))
-    try:
-        save(program, asset_dir, job["description"], log, fill=fill)
-    except MissingPlaceholders as exc:
-        lost = sorted(made.streamed[k][0] for k in exc.keys)
-        raise ToolchainError(f"{asset_dir}: the compiler folded or inlined {lost[0]}"
-                             + (f" (+{len(lost) - 1} more)" if len(lost) > 1 else "") + "; its bytes would be lost") from None
+    save_filled(program, asset_dir, job["description"], log, made, supply=weights.stream)
     t_save = time.perf_counter() - t0
     fp16_bytes = weights.fp16_bytes
     weights.close()

@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..backbone.contract import MASK_BIAS
-from ..backbone.graph import _attend, _rotate_half
+from ..ops import MASK_BIAS, attend, rotate_half
 from .contract import VISUAL, VisionConfig, weight_names
 
 KEY_BLOCK = 2048  # attention over more patches than this runs per key block (as the decoder's)
@@ -93,8 +92,8 @@ class VisionTower(torch.nn.Module):
         P, nh, hd = x.shape[0], cfg.num_heads, cfg.head_dim
         qkv = self._lin(x, a + "qkv.").reshape(P, 3, nh, hd)
         q, k, v = qkv[:, 0].float(), qkv[:, 1].float(), qkv[:, 2]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
         q, k, v = (t.transpose(0, 1).to(self.dtype) for t in (q, k, v))  # [nh, P, hd]
-        o = _attend(q, k, v, bias, hd ** -0.5, self.key_block)  # [nh, P, hd] fp32
+        o = attend(q, k, v, bias, hd ** -0.5, self.key_block)  # [nh, P, hd] fp32
         return self._lin(o.transpose(0, 1).reshape(P, nh * hd).to(self.dtype), a + "proj.")

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from ..backbone.manifest import BackboneSource, TensorSpec
+from ..manifest import BackboneSource, TensorSpec
 from ..manifest import Compilation, FileDigest, Strict
 
 

@@ -53,7 +53,7 @@ class PreparedImage:
 
 def open_vision(bundle: Path, release: Path, hidden_size: int, digests: dict[str, str] | None = None) -> ShippedVision:
     """The bundle checked, and checked to be this release's tower (``digests``: as ``open_backbone``'s)."""
-    from ..backbone.shipped import check_built_from
+    from ..engine.bundle_read import check_built_from
     from .bundle import check_files
 
     bundle, release = Path(bundle), Path(release)

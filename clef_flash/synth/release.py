@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..sources.author import AUTHOR_SHA256, build_head, read_verified
 from ..bundle import atomic_write_json, check_output_path, output_lock, staged_dir
-from .contract import CONFIGS
+from ..head.contract import CONFIGS
 from ..digest import sha256_bytes, sha256_file
 from ..sources.pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
 

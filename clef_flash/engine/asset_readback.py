@@ -38,8 +38,8 @@ import numpy as np
 
 from ..errors import IntegrityError
 from ..formats.mlirb import Blob, BytecodeError, Written, digests
-from .sweep import tensor_rows
-from .weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
+from .shard_reads import tensor_rows
+from .streamed_weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, scale_exponent
 from ..progress import plural
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side

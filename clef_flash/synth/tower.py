@@ -15,8 +15,8 @@ VISION_9B: dict[str, Any] = {"depth": 27, "hidden_size": 1152, "intermediate_siz
 
 def wide_tower(text: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple[int, ...]], dict[str, Any]]:
     """(vision_config, tensor name -> shape, preprocessor_config.json) for ``text``'s hidden size."""
-    from ..head.synth import PREPROCESSOR
-    from .contract import vision_config, weight_names
+    from .release import PREPROCESSOR
+    from ..vision.contract import vision_config, weight_names
 
     conf = {**VISION_9B, "out_hidden_size": text["hidden_size"],
             "rope_parameters": {"rope_theta": 10000.0, "rope_type": "axial"}}

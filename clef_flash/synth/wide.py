@@ -119,9 +119,9 @@ def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, a
     from ..sources.author import AUTHOR_SHA256, load_author_module, read_verified
     from ..digest import sha256_bytes
     from ..sources.pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE
-    from ..head.synth import RELEASE_PROVENANCE, RELEASE_TINY_MARKER, _config, byte_tokenizer, synth_state
-    from .contract import text_config as parse_text
-    from .contract import weight_names
+    from .release import RELEASE_PROVENANCE, RELEASE_TINY_MARKER, _config, byte_tokenizer, synth_state
+    from ..backbone.contract import text_config as parse_text
+    from ..backbone.contract import weight_names
     from ..sources.safetensors import INDEX_FILE
 
     text = text_config(size, layers)
@@ -137,7 +137,7 @@ def write_wide_release(out: Path, *, size: str, layers: int | None, seed: int, a
     # ``tower(text)``: (vision_config, its tensors, preprocessor_config.json) of a tower to write too
     # (``vision.synth.wide_tower``); else config.json names a tiny tower whose weights are not written
     vision_config, tower_tensors, preprocessor = tower(text) if tower else ({**TINY_VISION, "out_hidden_size": text["hidden_size"]}, {}, None)
-    from ..head.synth import SPECIAL_TOKENS
+    from .release import SPECIAL_TOKENS
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}  # the markers are this tokenizer's ids
     config = Qwen3_5Config(text_config=text, vision_config=vision_config, tie_word_embeddings=False,

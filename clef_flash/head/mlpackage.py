@@ -37,7 +37,7 @@ import numpy as np
 
 from pydantic import Field
 
-from ..head import contract
+from . import contract
 from ..digest import tree_bytes
 from ..errors import IntegrityError, ToolchainError
 from ..manifest import Aot, Compilation, FileDigest, Head, Seconds, Strict, check_file, pads
@@ -414,7 +414,7 @@ def convert_bucket(graph, bucket: int, hidden_size: int, q_pad: int, o_pad: int,
     from coremltools.converters.mil.converter import _construct_other_pipelines, _reset_conversion_state
     from coremltools.converters.mil.mil.passes.pass_pipeline import PassPipelineManager
 
-    from ..head.tracing import export_graph
+    from .tracing import export_graph
 
     ct = import_toolchain()
     # op names come from counters that only a finished conversion clears; a program built before

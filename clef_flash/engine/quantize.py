@@ -22,16 +22,12 @@ layers not kept fp16. The embedding, conv1d, norms and 1-D tensors stay as the f
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from .contract import LM
 
 SCALE_FLOOR = 2.0 ** -14  # the smallest normal fp16: a smaller scale would be flushed by the runtime
-LINEARS = re.compile(re.escape(LM) + r"layers\.(\d+)\.(self_attn\.(q|k|v|o)_proj|linear_attn\.(in_proj_qkv|in_proj_z|"
-                     r"in_proj_b|in_proj_a|out_proj)|mlp\.(gate|up|down)_proj)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -56,20 +52,6 @@ class Scheme:
 
     def scale_bytes(self, shape: tuple[int, ...]) -> int:
         return int(np.prod(self.scale_shape(shape))) * 2
-
-
-def layer_of(name: str) -> int | None:
-    """The decoder layer a compressible linear belongs to (None: not a decoder linear)."""
-    m = LINEARS.match(name)
-    return int(m.group(1)) if m else None
-
-
-def compressed_names(wanted: dict[str, tuple[int, ...]], scheme: Scheme, fp16_layers=()) -> list[str]:
-    """The tensors the scheme compresses: decoder linears outside ``fp16_layers`` whose input axis the
-    block divides (anything the scheme cannot block stays fp16)."""
-    keep = set(fp16_layers)
-    return sorted(n for n, s in wanted.items()
-                  if len(s) == 2 and layer_of(n) is not None and layer_of(n) not in keep and s[1] % scheme.block == 0)
 
 
 # ------------------------------------------------------------------ the build's quantizer (torch)

@@ -2,7 +2,7 @@
 
 Tracing and converting the 9B take one core for 20-30 s; quantizing its weights takes about as
 long on a core of its own, and used to start only when ``main.mlirb`` was written (the save then
-waited 24-49 s for the quantizer). A second process (``python -m clef_flash.backbone.ahead``) now
+waited 24-49 s for the quantizer). A second process (``python -m clef_flash.engine.codes_ahead``) now
 makes each compressed tensor's codes and scales (``weights.TensorBlocks``: the save's own code, so
 the same bytes) as soon as the weights are laid out, and writes them into the tensor's slots of
 the scratch file, holes until then that nothing reads before the save. The save reads each slot
@@ -129,7 +129,7 @@ class Ahead:
         self.stopped: str | None = None  # why the process ended before making everything
         self.finished = False
         self._cond = threading.Condition()
-        self.proc = subprocess.Popen([sys.executable, "-m", "clef_flash.backbone.ahead", json.dumps(job_of(weights, self.names, hashed))],
+        self.proc = subprocess.Popen([sys.executable, "-m", "clef_flash.engine.codes_ahead", json.dumps(job_of(weights, self.names, hashed))],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      pass_fds=(weights._fd,), text=True, env={**os.environ, PARENT_ENV: str(os.getpid())})
         self._reader = threading.Thread(target=self._follow, name="clef-ahead", daemon=True)
@@ -242,8 +242,8 @@ def _make(job: dict) -> None:
 
     from ..errors import ClefError
     from .quantize import Scheme
-    from .sweep import Sweep
-    from .weights import TensorBlocks, TensorInfo, _pwrite
+    from .shard_reads import Sweep
+    from .streamed_weights import TensorBlocks, TensorInfo, _pwrite
 
     torch.set_num_threads(1)
     # the trace is what the export waits for: it keeps its core, and this process takes what is left of the other

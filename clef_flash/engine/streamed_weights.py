@@ -72,7 +72,7 @@ def _will_need(path: Path, offset: int, length: int) -> None:
         os.close(fd)
 
 
-def release_freed_memory() -> None:
+def trim_freed_memory() -> None:
     """glibc keeps freed heap memory for reuse; hand it back to the kernel between stages, so the
     peak of one stage does not sit under the peak of the next (``malloc_trim``; a no-op elsewhere)."""
     import ctypes
