@@ -117,7 +117,7 @@ class BackboneRecipe(BaseModel):
     weights: Literal["fp16", "int8", "int4"] = "fp16"
     compute: Literal["fp16", "fp32"] = "fp16"  # the asset is always a Core AI one
     # int8 / int4: symmetric codes per block of ``block`` values along each linear's input axis,
-    # fp16 scales (``backbone.quantize``); the decoder layers named here stay fp16: a list, or
+    # fp16 scales (``engine.quantize``); the decoder layers named here stay fp16: a list, or
     # "auto" (``plan-weights`` chooses them for the release's own weights, at build time)
     block: int = Field(default=32, ge=2, le=4096)
     fp16_layers: tuple[int, ...] | Literal["auto"] = ()
@@ -173,7 +173,7 @@ class BackboneRecipe(BaseModel):
 
     @property
     def scheme(self):
-        """The compression scheme (``backbone.quantize.Scheme``), None for fp16 weights."""
+        """The compression scheme (``engine.quantize.Scheme``), None for fp16 weights."""
         if self.weights == "fp16":
             return None
         from .engine.quantize import Scheme

@@ -839,7 +839,7 @@ def test_constants_from_buffers_write_the_converters_bytes(tmp_path):
 @pytest.mark.parametrize("compute,image_rows", [("fp32", 0), ("fp16", 16)])
 def test_one_lowered_trace_is_the_two_public_passes_byte_for_byte(releases, tmp_path, monkeypatch, compute, image_rows):
     """The export traces once with coreai-torch's decompositions (torch's private aot-dispatch export,
-    ``head.tracing.export_aten``) instead of ``torch.export.export`` + ``run_decompositions``: the asset must be
+    ``engine.lowered.export_aten``) instead of ``torch.export.export`` + ``run_decompositions``: the asset must be
     the two passes' byte for byte, text-only and with image rows, and the one trace must be what ran."""
     import functools
 

@@ -251,7 +251,7 @@ def test_second_build_is_byte_identical(tmp_path, tiny_package, tiny_source):
 
 
 def test_one_aten_trace_is_the_two_public_passes_file_for_file(tmp_path, tiny_package, tiny_source, monkeypatch):
-    """Each bucket is traced to the ATen dialect once (``head.tracing.export_aten``, torch's private
+    """Each bucket is traced to the ATen dialect once (``engine.lowered.export_aten``, torch's private
     aot-dispatch export) instead of ``torch.export.export`` + ``run_decompositions({})``: the package
     the worker's job writes through the two public passes must be the build's, the weights and the
     manifest byte for byte, the program op for op (the converter's name counters aside: the two

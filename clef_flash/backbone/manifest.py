@@ -68,7 +68,7 @@ class PlanRef(Strict):
 
 
 class Compression(Strict):
-    """What was compressed and how, so a host and a reader can tell (``backbone.quantize``)."""
+    """What was compressed and how, so a host and a reader can tell (``engine.quantize``)."""
     bits: Literal[4, 8]
     block: int = Field(ge=2)  # values a scale covers, along each linear's input axis
     symmetric: Literal[True] = True

@@ -38,7 +38,7 @@ class StreamedTextModel:
     def __init__(self, source: Path, dtype=None, weights=None) -> None:
         """``dtype``: torch.float32 (the gate's) or torch.float64 (how far fp32 itself is from exact).
         ``weights``: name -> fp32 array or None, for tensors read from elsewhere than the release (a
-        compressed asset's own dequantized weights: ``asset_weights.dequantized``), one layer at a time."""
+        compressed asset's own dequantized weights: ``asset_readback.dequantized``), one layer at a time."""
         import torch
 
         from ..sources.reference import import_reference

@@ -71,7 +71,7 @@ def refuse(cfg: BuildConfig) -> None:
 def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     """Everything checked before work. ``defer``: the shards are checked to be pinned and present
     here, and hashed while the export runs (listed in "deferred": ``BackgroundHashes``, or for a
-    compressed build the read that makes its codes, ``backbone.sweep``); a dry run hashes them here."""
+    compressed build the read that makes its codes, ``engine.shard_reads``); a dry run hashes them here."""
     from ..sources.fetch import resolve_source
 
     recipe = cfg.recipe
@@ -262,7 +262,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
            "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                            f"prefill chunk {recipe.chunk}, weights {recipe.weights}, compute {recipe.compute}"}}
     # the gate's release side (every tensor's expected digests) beside the export: the trace is one
-    # core of Python, and this reads only the release; the gate joins it (asset_weights.ReleaseSide)
+    # core of Python, and this reads only the release; the gate joins it (asset_readback.ReleaseSide)
     side = None
     if p.cfg.verify and recipe.verify.enabled:  # the gate will run (build.build's test)
         from ..engine.asset_readback import ReleaseSide
@@ -325,7 +325,7 @@ def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
     outputs[MANIFEST_FILE] = sha256_file(tmp / MANIFEST_FILE)
     record = build_record(recipe, p.cfg.recipe_path, pins, dict(sorted(outputs.items())), text.hidden_size,
                           {"model": MODEL, "text_config": text.as_dict(), "seconds": seconds,
-                           # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see backbone.weights)
+                           # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see engine.streamed_weights)
                            "scaled_tensors": int(timings.get("scaled_tensors", 0))})
     return Made(manifest=manifest, record=record, seconds={k: v for k, v in seconds.items() if k != "total"})
 

@@ -6,7 +6,7 @@
    interface, names, shapes and dtypes, as the Core AI runtime reports it where the numeric check
    loads the asset, else as the bytecode declares it (no compiled copy: any size);
 3. every 2-D+ weight in ``main.mlirb`` equal to the release's tensor in fp16, streamed
-   (``asset_weights``: any size, a few MB of memory);
+   (``asset_readback``: any size, a few MB of memory);
 4. numeric (where the decoder is small enough for the Linux CPU runtime, ``numeric_max_parameters``):
    seeded token records of lengths 1, S - 1, S, S + 1, three chunks and one near the maximum
    context, through the saved asset and the host loop (``host.run_record``), against transformers'
@@ -91,13 +91,13 @@ class BackboneVerifyConfig:
     long_record: int | None = None
     numeric_max_parameters: int | None = None  # None: NUMERIC_MAX_PARAMETERS for the bundle's compute
     red: bool = True
-    weights: bool = True  # every 2-D+ weight in main.mlirb against the release, streamed (asset_weights)
+    weights: bool = True  # every 2-D+ weight in main.mlirb against the release, streamed (asset_readback)
     scratch: Path | None = None  # where the runtime's compiled copy goes (build: the staged bundle, on the output's disk)
     pins: Any = None  # the build's plan: pins already loaded
     checked: dict[str, str] | None = None  # the build's plan: file -> sha256 already checked in this process
     text: Any = None  # the build's plan: the release's text configuration
     located: dict[str, Any] | None = None  # the build's plan: every weight located in the shards
-    release_side: Any = None  # the build's: asset_weights.ReleaseSide started beside the export
+    release_side: Any = None  # the build's: asset_readback.ReleaseSide started beside the export
     written: Any = None  # the build's: mlirb.Written, what its save hashed (main.mlirb then read with one hash)
 
 

@@ -3,7 +3,7 @@
 1. the bundle's files against its manifest (``main.mlirb`` size and sha256, ``main.hash``), the
    release's files against the pins and the manifest's source;
 2. every 2-D+ weight in ``main.mlirb`` equal to the release's tensor in fp16, streamed
-   (``backbone.asset_weights``: a fine-tune's tower is proven to be the bytes it ships);
+   (``engine.asset_readback``: a fine-tune's tower is proven to be the bytes it ships);
 3. the host's patches against transformers' own image processor (``Qwen2VLImageProcessorPil`` from
    the release's ``preprocessor_config.json``) on the gate's images, bit for bit;
 4. numeric: one seeded image of a non-square aspect per bucket (above ``all_buckets_max_parameters``,
