@@ -65,10 +65,13 @@ def convert(programs: list[tuple[str, tuple[int, ...], object]], cfg: VisionConf
     from ..engine.converter import Entry
     from ..engine.converter import convert as convert_entries
 
-    dynamic = [buckets for entry, buckets, _ep in programs if entry == DYNAMIC_ENTRY]
+    def specialise(program) -> None:
+        for entry, buckets, _ep in programs:
+            if entry == DYNAMIC_ENTRY:
+                _specialise(program, cfg, buckets)
+
     entries = [Entry(entry, ep, INPUT_ORDER, OUTPUT_NAMES) for entry, _buckets, ep in programs]
-    return convert_entries(entries, log, streamed=streamed,
-                           specialise=lambda program: [_specialise(program, cfg, b) for b in dynamic])
+    return convert_entries(entries, log, streamed=streamed, specialise=specialise)
 
 
 def export_job(job: dict, log: Callable[[str], None]) -> dict:
