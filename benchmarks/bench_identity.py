@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def one(source: Path, out: Path, compute: str, buffers: bool) -> dict:
     from clef_flash.backbone.export import export_job
-    from clef_flash.backbone.files import release_config
+    from clef_flash.backbone.source import release_config
     from clef_flash.digest import sha256_file
 
     text = release_config(source)

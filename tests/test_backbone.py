@@ -100,7 +100,7 @@ def test_eager_chunks_match_transformers_full_forward(releases, tmp_path, varian
     import torch
 
     from clef_flash.backbone import host
-    from clef_flash.backbone.files import release_config
+    from clef_flash.backbone.source import release_config
     from clef_flash.backbone.contract import Chunking
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
     from clef_flash.engine.streamed_weights import load_weights
@@ -325,7 +325,7 @@ def test_tampered_shard_and_unpinned_file_are_named(releases, tmp_path):
 
 def _infos(release: Path):
     from clef_flash.backbone.contract import weight_names
-    from clef_flash.backbone.files import release_config
+    from clef_flash.backbone.source import release_config
     from clef_flash.engine.streamed_weights import locate
 
     return locate(release, weight_names(release_config(release)))
@@ -555,7 +555,7 @@ def test_scaled_weights_hold_no_subnormal_and_compute_the_same_bits(releases, tm
 
     from clef_flash.backbone.contract import Chunking
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
-    from clef_flash.backbone.files import release_config
+    from clef_flash.backbone.source import release_config
     from clef_flash.engine.streamed_weights import load_weights
 
     rel = releases["tiny"]
@@ -752,7 +752,7 @@ def test_too_little_disk_is_refused_before_any_work(releases, tmp_path, monkeypa
 
     from clef_flash.build.backbone import MARGIN, disk_need
     from clef_flash.backbone.contract import weight_names
-    from clef_flash.backbone.files import release_config
+    from clef_flash.backbone.source import release_config
     from clef_flash.engine.streamed_weights import locate, scratch_bytes
 
     rel = releases["tiny"]
@@ -881,7 +881,7 @@ def test_streamed_weights_are_the_converted_tensors_in_blocks(releases, tmp_path
     tensor's fp16 bytes (scaled by 2**k for fp32 compute), the same as the eager conversion."""
     from clef_flash.engine import streamed_weights as wmod
     from clef_flash.backbone.contract import weight_names
-    from clef_flash.backbone.files import release_config
+    from clef_flash.backbone.source import release_config
 
     rel = releases["other"]
     names = weight_names(release_config(rel))

@@ -332,7 +332,7 @@ def _run_chunks(model, cfg, ch, ids, extra):
 @pytest.fixture(scope="module")
 def decoders(release, tmp_path_factory):
     from clef_flash.backbone.contract import Chunking
-    from clef_flash.backbone.files import release_config
+    from clef_flash.backbone.source import release_config
     from clef_flash.backbone.graph import DecoderChunk, ImageDecoderChunk, weight_names
     from clef_flash.engine.streamed_weights import load_weights
 

@@ -11,7 +11,7 @@ from typing import Any
 from ..digest import sha256_file
 from ..errors import IntegrityError
 from .contract import FUNCTION
-from .files import TOKENIZER_DIR
+from .source import TOKENIZER_DIR
 from ..engine.bundle_read import read_asset_bundle
 from ..progress import plural
 

@@ -11,7 +11,9 @@ built in a temporary sibling folder, so it lands whole or not at all.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ..bundle import atomic_write_bytes, atomic_write_json, check_free_space, check_output_path
 from ..digest import sha256_file, tree_bytes, tree_files
@@ -23,15 +25,19 @@ from ..manifest import Compilation, FileDigest, LocalOrigin
 from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
 from ..sources.pins import load_pins
 from ..provenance import asset_description, build_date, build_record
-from ..backbone.contract import FUNCTION, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract
-from ..backbone.contract import weight_names
-from ..backbone.contract import compressed_names
-from ..backbone.manifest import HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, Interface, Language
+from ..backbone.contract import (
+    FUNCTION, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract, compressed_names, weight_names,
+)
+from ..backbone.manifest import (
+    HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, Compression, Interface, Language, LayerWeights,
+    PlanRef,
+)
 from ..manifest import BackboneSource, TensorSpec
-from ..backbone.manifest import Compression, LayerWeights, PlanRef
 from ..backbone.plan import PLAN_FILE
-from ..backbone.files import TOKENIZER_DIR, check_pinned, read_files, release_config, verify_files
-from ..engine.streamed_weights import asset_bytes, locate, scratch_bytes
+from ..backbone.source import TOKENIZER_DIR, release_config
+from ..sources.pinned_files import check_pinned, read_files, verify_files
+from ..engine.quantize import Scheme
+from ..engine.streamed_weights import TensorInfo, asset_bytes, locate, scratch_bytes
 from ..gate.backbone import BackboneVerifyConfig, tolerances, verify_backbone
 from ..sources.safetensors import shard_files
 
@@ -41,6 +47,31 @@ from ..progress import plural
 
 MODEL = "backbone"
 SHIPS_LM_HEAD_TABLE = True  # a release with the backbone is the whole model: the host's lexical table ships too
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a backbone build's plan found; ``fp16_layers = "auto"`` replaces the layer choice once the
+    planner has run (``choose_layers``)."""
+
+    text: TextConfig
+    chunking: Chunking
+    infos: dict[str, TensorInfo]  # the release's tensors, located once
+    scheme: Scheme | None  # None: fp16 weights
+    compressed: list[str]
+    fp16_layers: tuple[int, ...]
+    plan_ref: PlanRef | None
+    implied: int  # main.mlirb's weight bytes the choice implies
+    auto: bool  # fp16_layers = "auto": the planner chooses at build time
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the export hands its gate: the release side of the weight comparison, started beside the
+    export (``asset_readback.ReleaseSide``), and the digests the streamed save took (``mlirb.Written``)."""
+
+    release_side: Any = None
+    written: Written | None = None
 
 
 def compiles(recipe) -> bool:
@@ -118,8 +149,8 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
                      "plan": f"chosen at build time by plan-weights (budget max |dp| {recipe.plan_budget_dp:g}), "
                              f"shipped as {PLAN_FILE}" if auto else plan_ref.model_dump() if plan_ref else None})
     return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
-                extra={"text": text, "chunking": chunking, "infos": infos, "scheme": scheme, "compressed": compressed,
-                       "fp16_layers": fp16_layers, "plan_ref": plan_ref, "implied": implied, "auto": auto})
+                found=Found(text=text, chunking=chunking, infos=infos, scheme=scheme, compressed=compressed,
+                            fp16_layers=fp16_layers, plan_ref=plan_ref, implied=implied, auto=auto))
 
 
 def check_planner_inputs(cfg: BuildConfig, source: Path, pins) -> None:
@@ -154,13 +185,14 @@ def choose_layers(p: Plan, tmp: Path, log=lambda m: None) -> None:
         raise NumericError(f"{out.name}: the plan does not back its choice ({problems[0]})")
     if not plan.minimal:  # it meets the budget; a smaller set not on the bisection's path also does
         log(f"note: {plan_problems(plan)[-1]}")
-    text, infos, scheme = p.extra["text"], p.extra["infos"], p.extra["scheme"]
-    compressed = compressed_names(weight_names(text), scheme, plan.chosen)
-    p.extra.update({"fp16_layers": tuple(plan.chosen), "compressed": compressed, "implied": asset_bytes(infos, scheme, compressed),
-                    "plan_ref": PlanRef(file=PLAN_FILE, sha256=sha256_file(out), budget_dp=plan.budget_dp,
-                                        chosen=list(plan.chosen), shipped=True)})
+    f = p.found
+    compressed = compressed_names(weight_names(f.text), f.scheme, plan.chosen)
+    p.found = f = replace(f, fp16_layers=tuple(plan.chosen), compressed=compressed,
+                          implied=asset_bytes(f.infos, f.scheme, compressed),
+                          plan_ref=PlanRef(file=PLAN_FILE, sha256=sha256_file(out), budget_dp=plan.budget_dp,
+                                           chosen=list(plan.chosen), shipped=True))
     p.info.update({"fp16_layers": list(plan.chosen), "compressed_tensors": len(compressed),
-                   "implied_weight_bytes": p.extra["implied"], "plan": p.extra["plan_ref"].model_dump()})
+                   "implied_weight_bytes": f.implied, "plan": f.plan_ref.model_dump()})
     log(f"plan: fp16 layers {plan.chosen or 'none'} ({plural(len(compressed), 'tensor')} compressed; "
         f"minimal: {plan.minimal}; {plan.seconds['total']:.1f} s)")
 
@@ -196,24 +228,24 @@ def compression_section(p: Plan, mlirb_bytes: int) -> Compression | None:
     from ..engine.quantize import SCALE_FLOOR
     from ..backbone.contract import layer_of
 
-    scheme, compressed = p.extra["scheme"], set(p.extra["compressed"])
+    f = p.found
+    scheme, compressed = f.scheme, set(f.compressed)
     if scheme is None:
         return None
     groups: dict[int | None, dict] = {}  # decoder layer (None: outside the layers' linears) -> its 2-D+ tensors
-    for name, t in p.extra["infos"].items():
+    for name, t in f.infos.items():
         if len(t.shape) >= 2:
             groups.setdefault(layer_of(name), {})[name] = t
     other = groups.pop(None, {})
-    implied = p.extra["implied"]
     return Compression(
         bits=scheme.bits, block=scheme.block, scale_floor=SCALE_FLOOR,
         op="coreai.blockwise_shift_scale (torch.ops.coreai.constexpr_blockwise_shift_scale): fp16(scale * code)",
-        experimental=p.cfg.recipe.experimental, fp16_layers=list(p.extra["fp16_layers"]), plan=p.extra["plan_ref"],
+        experimental=p.cfg.recipe.experimental, fp16_layers=list(f.fp16_layers), plan=f.plan_ref,
         compressed_tensors=len(compressed),
         layers=[LayerWeights(layer=i, weights=scheme.weights if compressed & set(g) else "fp16", tensors=len(g),
                              bytes=asset_bytes(g, scheme, compressed)) for i, g in sorted(groups.items())],
         other={"tensors": len(other), "bytes": asset_bytes(other, scheme, compressed)},
-        implied_bytes=implied, mlirb_over_implied=round(mlirb_bytes / max(implied, 1), 6))
+        implied_bytes=f.implied, mlirb_over_implied=round(mlirb_bytes / max(f.implied, 1), 6))
 
 
 def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:
@@ -249,16 +281,16 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     """The worker's export into ``tmp`` (the shards hashed beside it), the tokenizer files, the
     manifest and the build record."""
     recipe, pins, source = p.cfg.recipe, p.pins, p.source
-    text, chunking = p.extra["text"], p.extra["chunking"]
-    asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
-    scheme = p.extra["scheme"]
-    if p.extra["auto"]:
+    if p.found.auto:
         choose_layers(p, tmp, log)
+    f = p.found
+    text, scheme = f.text, f.scheme
+    asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
     job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "text_config": text.as_dict(),
            "chunk": recipe.chunk, "context": recipe.context, "image_rows": recipe.image_rows, "compute": recipe.compute,
-           "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": p.extra["compressed"]} if scheme else None,
+           "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": f.compressed} if scheme else None,
            # a compressed build's worker hashes the shards: its process making codes reads each once for both
-           "hash_shards": list(p.deferred) if scheme and p.extra["compressed"] else [],
+           "hash_shards": list(p.deferred) if scheme and f.compressed else [],
            "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                            f"prefill chunk {recipe.chunk}, weights {recipe.weights}, compute {recipe.compute}"}}
     # the gate's release side (every tensor's expected digests) beside the export: the trace is one
@@ -268,12 +300,12 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
         from ..engine.asset_readback import ReleaseSide
 
         # a compressed export reads the release past the page cache (``sweep``): so does its gate's side
-        side = ReleaseSide(source, p.extra["infos"], recipe.compute == "fp32", scheme, p.extra["compressed"],
-                           direct=bool(scheme and p.extra["compressed"])).start(background=True)
-        p.extra["release_side"] = side
+        side = ReleaseSide(source, f.infos, recipe.compute == "fp32", scheme, f.compressed,
+                           direct=bool(scheme and f.compressed)).start(background=True)
+    p.handoff = Handoff(release_side=side)
     try:
         timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
-        p.extra["written"] = Written.from_json(timings["written"])
+        p.handoff = Handoff(release_side=side, written=Written.from_json(timings["written"]))
         return _finish(p, tmp, asset_dir, timings)
     except BaseException:
         if side is not None:
@@ -283,7 +315,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
 
 def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
     recipe, pins, source = p.cfg.recipe, p.pins, p.source
-    text, chunking = p.extra["text"], p.extra["chunking"]
+    text, chunking = p.found.text, p.found.chunking
     tok_dir = tmp / TOKENIZER_DIR
     tok_dir.mkdir()
     tokenizer = {}
@@ -298,8 +330,8 @@ def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
     known = {"main.mlirb": (asset_dir / "main.hash").read_bytes().hex()}
     outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir, known).items()}
     outputs.update({f"{TOKENIZER_DIR}/{k}": v for k, v in tokenizer.items()})
-    if p.extra["auto"]:
-        outputs[PLAN_FILE] = p.extra["plan_ref"].sha256
+    if p.found.auto:
+        outputs[PLAN_FILE] = p.found.plan_ref.sha256
     mlirb = asset_dir / "main.mlirb"
     seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
     seconds["total"] = round(sum(seconds.values()), 3)
@@ -335,15 +367,16 @@ def gate(p: Plan, tmp: Path, log=lambda m: None):
     the plan found: the digests it and the export checked, the configuration, the located tensors
     (nothing read or hashed again)."""
     recipe = p.cfg.recipe
-    side = p.extra.get("release_side")
+    handoff = p.handoff or Handoff()
+    side = handoff.release_side
     log("verifying the saved backbone against transformers' text model")
     try:
         return verify_backbone(BackboneVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path,
                                                     seed=recipe.verify.seed, long_record=recipe.long_record,
                                                     numeric_max_parameters=recipe.verify.numeric_max_parameters,
-                                                    scratch=tmp, pins=p.pins, checked=p.files, text=p.extra["text"],
-                                                    located=p.extra["infos"], release_side=side,
-                                                    written=p.extra.get("written")), log=log)
+                                                    scratch=tmp, pins=p.pins, checked=p.files, text=p.found.text,
+                                                    located=p.found.infos, release_side=side,
+                                                    written=handoff.written), log=log)
     finally:
         if side is not None:
             side.stop()  # done already, or the gate failed before it compared the weights

@@ -1,5 +1,5 @@
 """What a build is asked (``BuildConfig``), what its plan found (``Plan``: pins loaded once, the
-resolved source, the checked digests, the model's own findings), and what it made (``BuildResult``).
+resolved source, the checked digests, the model's own findings, typed by the model), and what it made (``BuildResult``).
 The plan is made once and handed to the export, the manifest and the gate: nothing is re-derived."""
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class Plan:
     files: dict[str, str]  # file -> sha256, checked (or, for ``deferred``, checked beside the export)
     info: dict[str, Any]  # what --dry-run prints
     deferred: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)  # the model's own findings (config, tensors)
+    found: Any = None  # the model's own findings, its own frozen type (build.backbone.Found, build.vision.Found)
+    handoff: Any = None  # what the export hands the gate, the model's own type (build.backbone.Handoff)
 
 
 @dataclass

@@ -68,7 +68,8 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     import torch
 
     from ..backbone.contract import weight_names
-    from ..backbone.files import read_files, release_config, verify_files
+    from ..sources.pinned_files import read_files, verify_files
+    from ..backbone.source import release_config
     from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, Trial, WeightPlan
     from ..backbone.contract import compressed_names, layer_of
     from ..backbone.sensitivity import Dequantizer, LayerOutputs, layer_errors, rows_with

@@ -39,14 +39,14 @@ def run_export(asset_dir: Path, job: dict, log: Callable[[str], None] = lambda m
 
 def run_export_hashing(p, asset_dir: Path, job: dict, order: list[str], log: Callable[[str], None] = lambda msg: None) -> dict:
     """``run_export`` with the plan's deferred shards hashed beside it: in a thread here
-    (``backbone.files.BackgroundHashes``, stopped if the export fails), or, where the job has
+    (``engine.shard_hashes.BackgroundHashes``, stopped if the export fails), or, where the job has
     ``hash_shards``, by the worker, which returns them as ``shards`` (a compressed backbone: its
     process making codes ahead reads each shard once for both). A shard that fails its pin fails
     the build here, named. ``p.files`` becomes every checked digest in ``order`` (the plan's)."""
     import time
 
     from ..engine.shard_hashes import BackgroundHashes
-    from ..backbone.files import compare
+    from ..sources.pinned_files import compare
     from ..progress import plural
 
     worker_hashes = bool(job.get("hash_shards"))

@@ -11,6 +11,8 @@ never assumed (the shards' sha256 against the pins, every weight blob against th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from ..bundle import atomic_write_json, check_free_space, check_output_path
@@ -23,7 +25,7 @@ from ..sources.pinning import BACKBONE_CONFIG
 from ..sources.pins import load_pins
 from ..sources.safetensors import INDEX_FILE, shard_files
 from ..provenance import asset_description, build_date, build_record
-from ..backbone.files import check_pinned, verify_files
+from ..sources.pinned_files import check_pinned, verify_files
 from ..manifest import BackboneSource, TensorSpec
 from ..engine.streamed_weights import locate, scratch_bytes
 from ..vision.contract import (INPUT_ORDER, KIND, OUTPUT_NAMES, PREPROCESSOR_CONFIG, VisionConfig, function_name,
@@ -38,6 +40,16 @@ from .process import run_export_hashing
 MODEL = "vision"
 SHIPS_LM_HEAD_TABLE = False
 MARGIN = 64 << 20
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a vision build's plan found: the tower's and the processor's configuration, the located tensors."""
+
+    vision: VisionConfig
+    preprocess: Any  # vision.contract.Preprocessing
+    infos: dict[str, Any]  # name -> engine.streamed_weights.TensorInfo
+    parameters: int
 
 
 def compiles(recipe) -> bool:
@@ -95,7 +107,7 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
             "compute": recipe.compute, "parameters": parameters, "weight_fp16_bytes": fp16,
             "vision_config": vcfg.as_dict(), "preprocess": pre.as_dict()}
     return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
-                extra={"vision": vcfg, "preprocess": pre, "infos": infos, "parameters": parameters})
+                found=Found(vision=vcfg, preprocess=pre, infos=infos, parameters=parameters))
 
 
 def interface(vcfg: VisionConfig, buckets: tuple[int, ...], compute: str) -> VisionInterface:
@@ -110,7 +122,7 @@ def interface(vcfg: VisionConfig, buckets: tuple[int, ...], compute: str) -> Vis
 
 def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     recipe, pins, source = p.cfg.recipe, p.pins, p.source
-    vcfg, pre = p.extra["vision"], p.extra["preprocess"]
+    vcfg, pre = p.found.vision, p.found.preprocess
     asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
     job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "vision_config": vcfg.as_dict(),
            "buckets": list(recipe.buckets), "compute": recipe.compute,
@@ -125,7 +137,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
     fp16 = int(timings["weight_fp16_bytes"])
     manifest = VisionManifest(
         metadata_version=METADATA_VERSION, kind=KIND, name=p.bundle.name, assets={"main": asset_dir.name},
-        tower=Tower(vision_config=vcfg.as_dict(), out_hidden_size=vcfg.out_hidden_size, parameters=p.extra["parameters"]),
+        tower=Tower(vision_config=vcfg.as_dict(), out_hidden_size=vcfg.out_hidden_size, parameters=p.found.parameters),
         preprocess=Preprocess(**pre.as_dict(), rule=PREPROCESS_RULE),
         interface=interface(vcfg, recipe.buckets, recipe.compute),
         source=BackboneSource(hf_id=pins.hf_id, revision=pins.revision, files=p.files, synthetic=pins.synthetic,
@@ -151,7 +163,7 @@ def gate(p: Plan, tmp: Path, log=lambda m: None):
     return verify_vision(VisionVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path, seed=recipe.verify.seed,
                                             all_buckets_max_parameters=recipe.verify.all_buckets_max_parameters,
                                             numeric_max_parameters=recipe.verify.numeric_max_parameters,
-                                            scratch=tmp, pins=p.pins, checked=p.files, located=p.extra["infos"]), log=log)
+                                            scratch=tmp, pins=p.pins, checked=p.files, located=p.found.infos), log=log)
 
 
 def summary(manifest) -> str:

@@ -298,7 +298,7 @@ def release_of(cfg, m, checks: list) -> tuple[Any, Path]:
     """The pins and the release folder a bundle's gate runs against: the manifest's source files must
     be the pins' (before any hashing or numeric work: exit 3, at once), then the release's files
     hashed against them unless the build's plan just did (``cfg.checked``)."""
-    from ..backbone.files import verify_files
+    from ..sources.pinned_files import verify_files
     from ..sources.fetch import resolve_source
     from ..sources.pins import load_pins
 
@@ -322,7 +322,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     from ..engine.asset_readback import compare
     from ..backbone.reference import StreamedTextModel
     from ..backbone.contract import weight_names
-    from ..backbone.files import release_config
+    from ..backbone.source import release_config
     from ..backbone.runtime import runner
     from ..backbone.contract import layer_of
     from ..engine.streamed_weights import locate

@@ -1,5 +1,4 @@
-"""A release folder's backbone files: which a build reads (config, index, every shard, the
-tokenizer files), each checked against the pins, and the text configuration they describe."""
+"""The release's pinned files read and checked against their pins (every model's build and gate)."""
 
 from __future__ import annotations
 
@@ -7,12 +6,9 @@ from pathlib import Path
 
 from ..digest import sha256_file
 from ..errors import IntegrityError
-from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
-from ..sources.pins import Pins
-from .contract import TextConfig, read_text_config
-from ..sources.safetensors import INDEX_FILE, shard_files
-
-TOKENIZER_DIR = "tokenizer"
+from .pinning import BACKBONE_CONFIG, TOKENIZER_FILES
+from .pins import Pins
+from .safetensors import INDEX_FILE, shard_files
 
 
 def read_files(source: Path) -> list[str]:
@@ -59,25 +55,3 @@ def compare(source: Path, pins: Pins, actual: dict[str, str]) -> None:
         if digest != pins.files[name]:
             raise IntegrityError(f"{source / name}: sha256 mismatch (expected {pins.files[name][:12]}…, "
                                  f"got {digest[:12]}…)")
-
-
-def tokenizer_pad(source: Path) -> int | None:
-    """The tokenizer's pad token id, when config.json names none (read from tokenizer.json)."""
-    import json
-
-    try:
-        conf = json.loads((source / "tokenizer_config.json").read_text(encoding="utf-8"))
-        tok = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    pad = conf.get("pad_token")
-    pad = pad.get("content") if isinstance(pad, dict) else pad
-    for t in tok.get("added_tokens", []):
-        if t.get("content") == pad:
-            return int(t["id"])
-    return None
-
-
-def release_config(source: Path) -> TextConfig:
-    """The release's text configuration, its pad token from the tokenizer when config.json names none."""
-    return read_text_config(source, tokenizer_pad(source))
