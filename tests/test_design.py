@@ -159,18 +159,11 @@ def long_functions(limit: int) -> dict[str, int]:
     return out
 
 
-# Functions still over 100 lines, each at most as long as it is now: they may shrink, never grow, and
-# no other joins them (docs/layout.md lists them as the next to split).
-LONG_FUNCTIONS = {"backbone/stitch.py:stitch": 192, "build/plan_weights.py:plan_weights": 162,
-                  "formats/mlirb.py:inflate": 137, "gate/backbone.py:verify_backbone": 153}
-
-
-def test_no_function_grows_past_100_lines():
-    found = long_functions(100)
-    grown = {k: n for k, n in found.items() if n > LONG_FUNCTIONS.get(k, 100)}
-    assert not grown, grown
-    assert long_functions(80).get("release/check.py:check_release") is None  # check-release composed of its steps
-    assert long_functions(10)  # the walk sees functions
+def test_no_function_over_100_lines():
+    """A function the reader holds in one view; check-release reads as its steps (under 80)."""
+    assert not long_functions(100), long_functions(100)
+    assert long_functions(80).get("release/check.py:check_release") is None
+    assert "backbone/stitch.py:stitch" in long_functions(40)  # the walk measures what it should
 
 
 def test_every_backend_has_the_same_functions():

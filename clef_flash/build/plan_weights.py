@@ -64,25 +64,8 @@ class RowTable:
         return torch.from_numpy(self._as_f32(np.ascontiguousarray(rows).reshape(-1), self.t.dtype).reshape(len(idx), -1))
 
 
-def plan_weights(cfg: PlanConfig, log=lambda m: None):
-    import torch
-
-    from ..backbone.contract import weight_names
-    from ..sources.pinned_files import read_files, verify_files
-    from ..backbone.source import release_config
-    from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, Trial, WeightPlan
-    from ..backbone.contract import compressed_names, layer_of
-    from ..backbone.sensitivity import Dequantizer, LayerOutputs, layer_errors, rows_with
-    from ..engine.streamed_weights import asset_bytes, locate
-    from ..bundle import atomic_write_json
-    from ..digest import sha256_file
-    from ..progress import progress
-    from ..sources.requests import default_requests, load_requests
-    from ..sources.author import load_head
-    from ..sources.pins import load_pins
-    from ..sources.reference import TextProcessor, import_reference
-
-    t_start = time.perf_counter()
+def _budget(cfg: PlanConfig) -> float:
+    """Every option refused before any work; the budget (the recipe's unless given)."""
     recipe = cfg.recipe
     if getattr(recipe, "model", None) != "backbone" or recipe.scheme is None:
         raise UsageError(f"{cfg.recipe_path}: plan-weights takes a compressed backbone recipe (weights = \"int8\" or "
@@ -99,24 +82,21 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
         raise UsageError(f"--budget-dp must be in (0, 1], got {budget}")
     if cfg.records is not None and cfg.records < 1:
         raise UsageError("--records must be >= 1")
-    source = Path(cfg.release)
-    if not source.is_dir():
-        raise UsageError(f"{source}: release folder not found")
-    requests_path = Path(cfg.requests) if cfg.requests else default_requests()
-    requests = load_requests(requests_path)
-    pins = load_pins(cfg.pins_path)
-    names = read_files(source)
-    if cfg.checked is not None and all(n in cfg.checked for n in names):
-        files = {n: cfg.checked[n] for n in names}  # a build's plan hashed them against the pins already
-    else:
-        files = verify_files(source, pins, cfg.pins_path, names, log)
-    text = release_config(source)
-    wanted = weight_names(text)
-    infos = locate(source, wanted)
-    scheme, scaled = recipe.scheme, recipe.compute == "fp32"
-    compressed = compressed_names(wanted, scheme, ())
-    layers = len(text.layer_types)
+    if not Path(cfg.release).is_dir():
+        raise UsageError(f"{cfg.release}: release folder not found")
+    return budget
 
+
+def _calibration(cfg: PlanConfig, source: Path, pins, requests, text):
+    """The calibration records (the requests encoded by the author's ``encode_record`` with the
+    release's tokenizer), and ``probs(rows)``: every option's probability through the release's head."""
+    import torch
+
+    from ..engine.streamed_weights import locate
+    from ..sources.author import load_head
+    from ..sources.reference import TextProcessor, import_reference
+
+    recipe = cfg.recipe
     import_reference()
     from transformers import AutoTokenizer
 
@@ -142,6 +122,69 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
                               torch.ones(1, len(ids), dtype=torch.long), [e], table)[0]
                 out_p.append(np.concatenate([q.float().softmax(-1).numpy() for q in logits]))
         return out_p
+
+    return records, probs
+
+
+def _smallest_k(ranking: list[int], trial, trials: list) -> int:
+    """The smallest k with ``ranking[:k]`` kept fp16 whose trial meets the budget: k = 0, then bisection."""
+    if trial([]).passes:
+        return 0
+    lo, hi = 0, len(ranking)  # lo misses; hi (every layer fp16) is the reference itself
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if trial(ranking[:mid]).passes:
+            hi = mid
+        else:
+            lo = mid
+    if hi == len(ranking) and not any(t.passes and len(t.fp16_layers) == hi for t in trials):
+        trial(ranking[:hi])
+    return hi
+
+
+def _layer_bytes(infos, scheme, compressed: list[str], layers: int) -> dict[int, tuple[int, int]]:
+    """Each decoder layer's weight bytes: (compressed as the scheme would, all fp16)."""
+    from ..backbone.contract import layer_of
+    from ..engine.streamed_weights import asset_bytes
+
+    out = {}
+    for i in range(layers):
+        mine = {n: t for n, t in infos.items() if layer_of(n) == i}
+        out[i] = (asset_bytes(mine, scheme, [n for n in compressed if layer_of(n) == i]), asset_bytes(mine))
+    return out
+
+
+def plan_weights(cfg: PlanConfig, log=lambda m: None):
+    from ..backbone.contract import compressed_names, layer_of, weight_names
+    from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, Trial, WeightPlan
+    from ..backbone.sensitivity import Dequantizer, LayerOutputs, layer_errors, rows_with
+    from ..backbone.source import release_config
+    from ..bundle import atomic_write_json
+    from ..digest import sha256_file
+    from ..engine.streamed_weights import asset_bytes, locate
+    from ..progress import progress
+    from ..sources.pinned_files import read_files, verify_files
+    from ..sources.pins import load_pins
+    from ..sources.requests import default_requests, load_requests
+
+    t_start = time.perf_counter()
+    recipe, out, budget = cfg.recipe, Path(cfg.out), _budget(cfg)
+    source = Path(cfg.release)
+    requests_path = Path(cfg.requests) if cfg.requests else default_requests()
+    requests = load_requests(requests_path)
+    pins = load_pins(cfg.pins_path)
+    names = read_files(source)
+    if cfg.checked is not None and all(n in cfg.checked for n in names):
+        files = {n: cfg.checked[n] for n in names}  # a build's plan hashed them against the pins already
+    else:
+        files = verify_files(source, pins, cfg.pins_path, names, log)
+    text = release_config(source)
+    wanted = weight_names(text)
+    infos = locate(source, wanted)
+    scheme, scaled = recipe.scheme, recipe.compute == "fp32"
+    compressed = compressed_names(wanted, scheme, ())
+    layers = len(text.layer_types)
+    records, probs = _calibration(cfg, source, pins, requests, text)
 
     log(f"plan-weights: {scheme.weights} per block of {scheme.block}, {plural(len(compressed), 'tensor')} in "
         f"{layers} layers; {plural(len(records), 'calibration record')} ({sum(len(r) for r in records):,} tokens) "
@@ -183,30 +226,14 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
                 f"{'meets' if t.passes else 'misses'} {budget:g}")
             return t
 
-        # the smallest k with ranking[:k] kept fp16 that meets the budget: k = 0, then bisection
-        if trial([]).passes:
-            k = 0
-        else:
-            lo, hi = 0, len(ranking)  # lo misses; hi (every layer fp16) is the reference itself
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if trial(ranking[:mid]).passes:
-                    hi = mid
-                else:
-                    lo = mid
-            k = hi
-            if k == len(ranking) and not any(t.passes and len(t.fp16_layers) == k for t in trials):
-                trial(ranking[:k])
+        k = _smallest_k(ranking, trial, trials)
         chosen = sorted(ranking[:k])
         met = any(t.passes and t.fp16_layers == chosen for t in trials)
         proof = None
         if k >= 1:  # the proof: without its most sensitive layer the chosen set must miss the budget
             proof = next((t for t in trials if t.fp16_layers == sorted(ranking[1:k])), None) or trial(ranking[1:k], record=False)
         t_trials = time.perf_counter() - t0
-    by_layer_bytes = {}
-    for i in range(layers):
-        mine = {n: t for n, t in infos.items() if layer_of(n) == i}
-        by_layer_bytes[i] = (asset_bytes(mine, scheme, [n for n in compressed if layer_of(n) == i]), asset_bytes(mine))
+    by_layer_bytes = _layer_bytes(infos, scheme, compressed, layers)
     plan = WeightPlan(
         plan_version=PLAN_VERSION,
         release={"hf_id": pins.hf_id, "revision": pins.revision,

@@ -637,6 +637,62 @@ class Fill:
     planned: Callable[[list[bytes]], None] | None = None  # told once the order they are filled in
 
 
+def _fill_plan(path: Path, data: bytes, offset: int, entries, sizes: dict[bytes, int]):
+    """The resource section's new entries: [(prefix bytes incl. padding, data: bytes, or (the key of a
+    placeholder to fill,), data size)], each entry's new size, the section's size, and the largest blob
+    alignment (the section must start aligned to it). A placeholder not found is ``MissingPlaceholders``."""
+    plan, new_sizes, at = [], [], 0
+    left = dict(sizes)
+    blob_align = 1
+    for _key, entry_size, kind in entries:
+        if kind != 0:  # not a blob: its bytes as they are (hashed whole, as stable_resource_names does)
+            plan.append((b"", data[offset:offset + entry_size], entry_size))
+        else:
+            r = _Reader(data, offset)
+            align, size = r.varint(), r.varint()
+            blob_align = max(blob_align, align)
+            start = r.pos if align <= 1 else (r.pos + align - 1) & ~(align - 1)
+            body: bytes | tuple = data[start:start + size]
+            if body in left:
+                body, size = (body,), left.pop(body)
+            head = varint(align) + varint(size)
+            head += bytes([_PAD]) * ((-(at + len(head))) % align if align > 1 else 0)
+            plan.append((head, body, size))
+        new_sizes.append(len(plan[-1][0]) + plan[-1][2])
+        at += new_sizes[-1]
+        offset += entry_size
+    if left:
+        raise MissingPlaceholders(f"{path}: {len(left)} placeholder(s) to fill not found (merged or dropped by the compiler?)",
+                                  sorted(left))
+    return plan, new_sizes, at, blob_align
+
+
+def _stream_blob(chunks, hashes, fh, maker, pool, waits: dict[str, float]) -> int:
+    """A placeholder's chunks written and hashed (into each of ``hashes``); returns the bytes. The next
+    chunk is made in a thread of its own (``maker``) while this one is hashed (``pool``) and written:
+    conversion, hashing and the disk overlap, and a chunk is reused only once its hashes and write are done."""
+    chunks = iter(chunks)
+    got, hashing = 0, ()
+    ahead = maker.submit(next, chunks, None)
+    while True:
+        with _spent(waits, "supply"):
+            chunk = ahead.result()
+        if chunk is None:
+            break
+        with _spent(waits, "hashes"):
+            for f in hashing:
+                f.result()
+        ahead = maker.submit(next, chunks, None)
+        hashing = tuple(pool.submit(h.update, chunk) for h in hashes)
+        with _spent(waits, "write"):
+            fh.write(chunk)
+        got += len(chunk)
+    with _spent(waits, "hashes"):
+        for f in hashing:
+            f.result()
+    return got
+
+
 def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str = "w_", upcoming=None,
             planned=None) -> Written:
     """Write ``out``: the bytecode ``path`` (small) with each blob whose data is a key of ``sizes`` (a
@@ -669,30 +725,7 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
     strings = _read_strings(data[by_id[STRING].start:by_id[STRING].start + by_id[STRING].length])
     groups = _resource_groups(data[by_id[RESOURCE_OFFSET].start:by_id[RESOURCE_OFFSET].start + by_id[RESOURCE_OFFSET].length])
     entries = [e for _, g in groups[0] + groups[1] for e in g]
-    # the new entries: (prefix bytes incl. padding, data: bytes, or the key of a placeholder to fill, data size)
-    plan, new_sizes, offset, at = [], [], by_id[RESOURCE].start, 0
-    left = dict(sizes)
-    blob_align = 1  # the largest blob alignment: the section must start aligned to it in ``out``
-    for _key, entry_size, kind in entries:
-        if kind != 0:  # not a blob: its bytes as they are (hashed whole, as stable_resource_names does)
-            plan.append((b"", data[offset:offset + entry_size], entry_size))
-        else:
-            r = _Reader(data, offset)
-            align, size = r.varint(), r.varint()
-            blob_align = max(blob_align, align)
-            start = r.pos if align <= 1 else (r.pos + align - 1) & ~(align - 1)
-            body: bytes | tuple = data[start:start + size]
-            if body in left:
-                body, size = (body,), left.pop(body)
-            head = varint(align) + varint(size)
-            head += bytes([_PAD]) * ((-(at + len(head))) % align if align > 1 else 0)
-            plan.append((head, body, size))
-        new_sizes.append(len(plan[-1][0]) + plan[-1][2])
-        at += new_sizes[-1]
-        offset += entry_size
-    if left:
-        raise MissingPlaceholders(f"{path}: {len(left)} placeholder(s) to fill not found (merged or dropped by the compiler?)",
-                                  sorted(left))
+    plan, new_sizes, at, blob_align = _fill_plan(path, data, by_id[RESOURCE].start, entries, sizes)
     offsets_data = _write_groups(groups, new_sizes)
     order = [body[0] for _, body, _ in plan if isinstance(body, tuple)]  # the placeholders, as they are filled
     nth = {key: i for i, key in enumerate(order)}
@@ -728,31 +761,10 @@ def inflate(path: Path, out: Path, sizes: dict[bytes, int], supply, prefix: str 
                         put(head_bytes)
                         blob = hashlib.sha256()
                         if isinstance(body, tuple):
-                            got, hashing = 0, ()
-                            # the next chunk is made in a thread of its own while this one is hashed
-                            # twice (two more threads) and written: conversion, hashing and the disk
-                            # overlap, and a chunk is reused only once its hashes and write are done
                             if upcoming is not None:
                                 for key in order[nth[body[0]] + 1:nth[body[0]] + 3]:
                                     upcoming(key)
-                            chunks = iter(supply(body[0]))
-                            ahead = maker.submit(next, chunks, None)
-                            while True:
-                                with _spent(waits, "supply"):
-                                    chunk = ahead.result()
-                                if chunk is None:
-                                    break
-                                with _spent(waits, "hashes"):
-                                    for f in hashing:
-                                        f.result()
-                                ahead = maker.submit(next, chunks, None)
-                                hashing = (pool.submit(whole.update, chunk), pool.submit(blob.update, chunk))
-                                with _spent(waits, "write"):
-                                    fh.write(chunk)
-                                got += len(chunk)
-                            with _spent(waits, "hashes"):
-                                for f in hashing:
-                                    f.result()
+                            got = _stream_blob(supply(body[0]), (whole, blob), fh, maker, pool, waits)
                             if got != size:
                                 raise BytecodeError(f"{out}: a placeholder got {got} bytes, {size} declared")
                             written += got

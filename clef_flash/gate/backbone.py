@@ -315,17 +315,131 @@ def release_of(cfg, m, checks: list) -> tuple[Any, Path]:
     return pins, source
 
 
-def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> BackboneReport:
-    from ..provenance import tool_versions
+def _records(cfg: BackboneVerifyConfig, m, text, source: Path):
+    """The gate's token records (seeded), their images (``host.ImageSpan``), and which record each red arm runs on."""
     from ..backbone import host
-    from ..progress import counting, progress
-    from ..engine.asset_readback import compare
+
+    chunk, context = m.language.prefill_chunk, m.language.max_context
+    lengths = record_lengths(chunk, context, cfg.long_record)
+    rng = np.random.default_rng([cfg.seed, 19])
+    records = {name: rng.integers(0, text.vocab_size, size=n) for name, n in lengths.items()}
+    red_on = red_records(lengths, chunk, context) if cfg.red else {}
+    images: dict[str, Any] = {}
+    vision = m.interface.vision
+    if vision is not None:  # a record with an image spanning a chunk boundary, and its red arms
+        name, ids, span = image_record(text, chunk, context, vision.image_rows, source, rng)
+        records[name], images[name] = ids, span
+        if cfg.red:
+            red_on.update({arm: name for arm in host.IMAGE_RED_ARMS})
+    return records, images, red_on
+
+
+def _references(cfg: BackboneVerifyConfig, asset: Path, source: Path, records, images, red_on, scheme, found):
+    """The reference rows, one layer in memory at a time, gone before the runtime loads the asset.
+    Compressed: (a) on the asset's own dequantized weights (read from main.mlirb), the bars; (b) the
+    uncompressed release, reported; the red arms read the codes or scales wrongly (must fail (a)).
+    Returns (arm -> (weights override, records), (arm, record) -> rows); ``red_on`` gains the quantization arms."""
+    from ..backbone.contract import layer_of
     from ..backbone.reference import StreamedTextModel
+    from ..progress import progress
+
+    mlirb = asset / "main.mlirb"
+    refs: dict[str, tuple] = {"main": (None, list(records))}
+    if scheme is not None:
+        refs = {"main": (lambda n: _dequantized(mlirb, found, scheme, n), list(records)),
+                REPORTED: (None, list(records))}
+        if cfg.red:
+            state_record = red_on["state_reset"]
+            # one tensor: the largest of the first compressed layer (a small one, in_proj_a, moves little)
+            low = min(layer_of(n) for n in found)
+            first = max((n for n in found if layer_of(n) == low), key=lambda n: (int(np.prod(found[n].shape)), n))
+            refs["scales_shifted"] = (lambda n: _dequantized(mlirb, found, scheme, n, "scales_shifted"), [state_record])
+            refs["codes_transposed"] = (lambda n, first=first: _dequantized(mlirb, found, scheme, n,
+                                                                             "codes_transposed" if n == first else None),
+                                        [state_record])
+            red_on.update({arm: state_record for arm in QUANT_RED_ARMS})
+    wants: dict[tuple[str, str], np.ndarray] = {}
+    total = sum(len(names) for _, names in refs.values())
+    with progress("gate: reference, transformers fp32", total, "records") as tick:
+        for arm, (override, names) in refs.items():
+            ref = StreamedTextModel(source, weights=override)
+            for name in names:
+                wants[(arm, name)] = ref.rows(records[name], images.get(name))
+                tick()
+            del ref
+    gc.collect()
+    return refs, wants
+
+
+def _asset_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, images, red_on):
+    """The asset run chunk by chunk on every record, and on each red arm's: [(record, arm, rows, seconds)]."""
+    from ..backbone import host
+    from ..backbone.runtime import runner
+    from ..progress import counting, progress
+
+    compute, vision = m.export.compute, m.interface.vision
+    chunk, context = m.language.prefill_chunk, m.language.max_context
+    state_dtype = "fp32" if compute == "fp32" else "fp16"
+    plan = [(name, arm) for name in records
+            for arm in ["main"] + [a for a in RED_ARMS + host.IMAGE_RED_ARMS if red_on.get(a) == name]]
+    dtype = np.float32 if compute == "fp32" else np.float16
+
+    def extra(name: str, arm: str):
+        if vision is None:
+            return None
+        return host.image_inputs(vision.image_rows, text.hidden_size, dtype, images.get(name),
+                                 arm if arm in host.IMAGE_RED_ARMS else None)
+
+    def sent(name: str):
+        return host.image_ids(records[name], images[name], text.vocab_size) if name in images else records[name]
+
+    async def run_all():
+        out = []
+        calls = sum(host.chunks_for(len(records[name]), chunk) for name, _ in plan)
+        # one record at a time: the slice's measured memory (a second record in flight would add
+        # its states and activations) is worth more than the 10 % it would save at tiny width
+        async with runner(asset, text.state_shapes(context), state_dtype, cfg.scratch) as (call, new_states):
+            with progress("gate: main, chunk by chunk", calls, "calls") as tick:
+                counted = counting(call, tick)
+                for name, arm in plan:
+                    t0 = time.perf_counter()
+                    got = await host.run_record(counted, new_states, sent(name), chunk, context, text.pad_token_id,
+                                                arm if arm in RED_ARMS else None, extra(name, arm))
+                    out.append((name, arm, got, time.perf_counter() - t0))
+        return out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_async(run_all)
+
+
+def _numeric(cfg: BackboneVerifyConfig, m, asset: Path, text, source: Path, scheme, found, log) -> list[RecordResult]:
+    """The asset's rows against the reference's, record by record (and the red arms against the main run)."""
+    from ..backbone import host
+
+    chunk = m.language.prefill_chunk
+    records, images, red_on = _records(cfg, m, text, source)
+    refs, wants = _references(cfg, asset, source, records, images, red_on, scheme, found)
+    results: list[RecordResult] = []
+    for name, arm, got, secs in _asset_runs(cfg, m, asset, text, records, images, red_on):
+        # the asset's main rows against every reference of this record; a host red arm against the main one
+        against = [arm] if arm != "main" else [a for a, (_, names) in refs.items() if name in names]
+        for ref_arm in against:
+            rel, cos = _compare(got, wants[("main" if arm != "main" else ref_arm, name)])
+            results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),
+                                        rel_max_abs_d=rel, min_row_cosine=cos, arm=ref_arm))
+            label = "" if ref_arm == "main" else (" vs the uncompressed release" if ref_arm == REPORTED else " red " + ref_arm)
+            log(f"{name} ({plural(len(records[name]), 'token')}){label}: rel max |d| {rel:.2e}, "
+                f"min row cosine {cos:.7f}" + (f" ({secs:.1f} s)" if ref_arm == "main" or arm != "main" else ""))
+    return results
+
+
+def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> BackboneReport:
     from ..backbone.contract import weight_names
     from ..backbone.source import release_config
-    from ..backbone.runtime import runner
-    from ..backbone.contract import layer_of
+    from ..engine.asset_readback import compare
     from ..engine.streamed_weights import locate
+    from ..provenance import tool_versions
 
     t_start = time.perf_counter()
     # main.mlirb's sha256 is taken below: by the weight comparison's read where that runs on a model
@@ -334,7 +448,6 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     pins, source = release_of(cfg, m, checks)
     text = cfg.text or release_config(source)
     compute = m.export.compute
-    chunk, context = m.language.prefill_chunk, m.language.max_context
     infos = cfg.located or locate(source, weight_names(text))
     params = sum(int(np.prod(t.shape)) for t in infos.values())
     limit = cfg.numeric_max_parameters if cfg.numeric_max_parameters is not None else NUMERIC_MAX_PARAMETERS[compute]
@@ -373,88 +486,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
                      f"({limit:,}); fp{'16' if compute == 'fp16' else '32'} compute on the Linux CPU "
                      f"runtime is too slow at this size")
     elif numeric:
-        lengths = record_lengths(chunk, context, cfg.long_record)
-        rng = np.random.default_rng([cfg.seed, 19])
-        records = {name: rng.integers(0, text.vocab_size, size=n) for name, n in lengths.items()}
-        red_on = red_records(lengths, chunk, context) if cfg.red else {}
-        vision = m.interface.vision
-        images: dict[str, Any] = {}  # record -> host.ImageSpan
-        if vision is not None:  # a record with an image spanning a chunk boundary, and its red arms
-            name, ids, span = image_record(text, chunk, context, vision.image_rows, source, rng)
-            records[name], images[name] = ids, span
-            if cfg.red:
-                red_on.update({arm: name for arm in host.IMAGE_RED_ARMS})
-        # the reference first, one layer in memory at a time, and gone before the runtime loads the asset.
-        # Compressed: (a) on the asset's own dequantized weights (read from main.mlirb), the bars; (b) the
-        # uncompressed release, reported; the red arms read the codes or scales wrongly (must fail (a))
-        mlirb = asset / "main.mlirb"
-        refs: dict[str, tuple] = {"main": (None, list(records))}
-        if scheme is not None:
-            refs = {"main": (lambda n: _dequantized(mlirb, found, scheme, n), list(records)),
-                    REPORTED: (None, list(records))}
-            if cfg.red:
-                state_record = red_on["state_reset"]
-                # one tensor: the largest of the first compressed layer (a small one, in_proj_a, moves little)
-                low = min(layer_of(n) for n in found)
-                first = max((n for n in found if layer_of(n) == low), key=lambda n: (int(np.prod(found[n].shape)), n))
-                refs["scales_shifted"] = (lambda n: _dequantized(mlirb, found, scheme, n, "scales_shifted"), [state_record])
-                refs["codes_transposed"] = (lambda n, first=first: _dequantized(mlirb, found, scheme, n,
-                                                                                 "codes_transposed" if n == first else None),
-                                            [state_record])
-                red_on.update({arm: state_record for arm in QUANT_RED_ARMS})
-        wants: dict[tuple[str, str], np.ndarray] = {}
-        total = sum(len(names) for _, names in refs.values())
-        with progress("gate: reference, transformers fp32", total, "records") as tick:
-            for arm, (override, names) in refs.items():
-                ref = StreamedTextModel(source, weights=override)
-                for name in names:
-                    wants[(arm, name)] = ref.rows(records[name], images.get(name))
-                    tick()
-                del ref
-        gc.collect()
-        state_dtype = "fp32" if compute == "fp32" else "fp16"
-
-        plan = [(name, arm) for name in records
-                for arm in ["main"] + [a for a in RED_ARMS + host.IMAGE_RED_ARMS if red_on.get(a) == name]]  # the asset's runs
-        dtype = np.float32 if compute == "fp32" else np.float16
-
-        def extra(name: str, arm: str):
-            if vision is None:
-                return None
-            return host.image_inputs(vision.image_rows, text.hidden_size, dtype, images.get(name),
-                                     arm if arm in host.IMAGE_RED_ARMS else None)
-
-        def sent(name: str):
-            return host.image_ids(records[name], images[name], text.vocab_size) if name in images else records[name]
-
-        async def run_all():
-            out = []
-            calls = sum(host.chunks_for(len(records[name]), chunk) for name, _ in plan)
-            # one record at a time: the slice's measured memory (a second record in flight would add
-            # its states and activations) is worth more than the 10 % it would save at tiny width
-            async with runner(asset, text.state_shapes(context), state_dtype, cfg.scratch) as (call, new_states):
-                with progress("gate: main, chunk by chunk", calls, "calls") as tick:
-                    counted = counting(call, tick)
-                    for name, arm in plan:
-                        t0 = time.perf_counter()
-                        got = await host.run_record(counted, new_states, sent(name), chunk, context, text.pad_token_id,
-                                                    arm if arm in RED_ARMS else None, extra(name, arm))
-                        out.append((name, arm, got, time.perf_counter() - t0))
-            return out
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            runs = run_async(run_all)
-        for name, arm, got, secs in runs:
-            # the asset's main rows against every reference of this record; a host red arm against the main one
-            against = [arm] if arm != "main" else [a for a, (_, names) in refs.items() if name in names]
-            for ref_arm in against:
-                rel, cos = _compare(got, wants[("main" if arm != "main" else ref_arm, name)])
-                results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),
-                                            rel_max_abs_d=rel, min_row_cosine=cos, arm=ref_arm))
-                label = "" if ref_arm == "main" else (" vs the uncompressed release" if ref_arm == REPORTED else " red " + ref_arm)
-                log(f"{name} ({plural(len(records[name]), 'token')}){label}: rel max |d| {rel:.2e}, "
-                    f"min row cosine {cos:.7f}" + (f" ({secs:.1f} s)" if ref_arm == "main" or arm != "main" else ""))
+        results = _numeric(cfg, m, asset, text, source, scheme, found, log)
     transcript = {"bundle": str(cfg.bundle), "compute": compute, "weights": m.export.weights,
                   "source": {"hf_id": pins.hf_id, "revision": pins.revision},
                   "bars": tolerances(compute, m.export.weights), "seed": cfg.seed, "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
