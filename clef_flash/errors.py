@@ -50,3 +50,15 @@ def first_validation_error(exc) -> str:
     first = exc.errors()[0]
     where = ".".join(str(x) for x in first["loc"]) or "(top level)"
     return f"at {where}: {first['msg']}"
+
+
+def not_a_config(where: str, what: str, exc: Exception) -> IntegrityError:
+    """A configuration that did not parse, in one line naming the file and the field or the reason."""
+    why = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
+    return IntegrityError(f"{where}: not a {what} ({why})")
+
+
+def refuse_problems(where: str, problems: list[str], prefix: str = "") -> None:
+    """The first of a parsed configuration's problems (what makes it unexportable), as an ``IntegrityError``."""
+    if problems:
+        raise IntegrityError(f"{where}: {prefix}{problems[0]}")

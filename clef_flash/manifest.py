@@ -169,3 +169,14 @@ class BackboneSource(Strict):
     files: dict[str, str]  # every file the build read -> sha256
     synthetic: bool = False
     origin: LocalOrigin | None = None
+
+
+def release_source(pins: Pins, files: dict[str, str]) -> BackboneSource:
+    """The ``source`` section of a bundle built from a release's files (the decoder's, the tower's)."""
+    origin = LocalOrigin(kind="local", name=pins.release_name, release=pins.release) if pins.origin == "local" else None
+    return BackboneSource(hf_id=pins.hf_id, revision=pins.revision, files=files, synthetic=pins.synthetic, origin=origin)
+
+
+def mlirb_digest(asset_dir: Path, outputs: dict[str, str]) -> FileDigest:
+    """``main.mlirb``'s size and the sha256 already taken among a bundle's ``outputs``."""
+    return FileDigest(bytes=(asset_dir / "main.mlirb").stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"])

@@ -14,6 +14,16 @@ from .errors import NumericError
 Row = tuple[list[str], str]  # the cells, and the verdict: "pass", "FAIL" or "near-tie"
 
 
+@dataclass(frozen=True)
+class GateConfig:
+    """What every gate is asked first: the bundle, the release folder (None: the pinned revision in
+    the HF cache) and its pins; each model's gate adds its own options."""
+
+    bundle: Path
+    source: Path | None
+    pins_path: Path
+
+
 @dataclass
 class Report:
     bundle: Path

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..bundle import read_json
-from ..errors import IntegrityError
+from ..errors import not_a_config, refuse_problems
 from ..ops import MASK_BIAS  # noqa: F401 (the decoder's mask bias is the tower's: one value)
 
 if TYPE_CHECKING:
@@ -116,11 +116,8 @@ def text_config(raw: dict[str, Any], where: str, tokenizer_pad: int | None = Non
             mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))),
         )
     except (KeyError, TypeError, ValueError) as exc:
-        what = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
-        raise IntegrityError(f"{where}: not a Qwen3.5 text configuration ({what})") from None
-    problems = check_config(cfg)
-    if problems:
-        raise IntegrityError(f"{where}: {problems[0]}")
+        raise not_a_config(where, "Qwen3.5 text configuration", exc) from None
+    refuse_problems(where, check_config(cfg))
     return cfg
 
 

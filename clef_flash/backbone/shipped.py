@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..digest import sha256_file
-from ..engine.bundle_read import check_built_from
+from ..engine.bundle_read import OpenedBundle, check_built_from
 from ..errors import IntegrityError
 from ..interrupts import gather_all, run_async
 from ..progress import plural
@@ -33,11 +33,7 @@ RED = {"state": "state_reset"}
 
 
 @dataclass(frozen=True)
-class ShippedBackbone:
-    bundle: Path
-    asset: Path
-    manifest: Any  # BackboneManifest
-    checks: list[tuple[str, bool, str]]
+class ShippedBackbone(OpenedBundle):  # manifest: BackboneManifest
 
     @property
     def compute(self) -> str:

@@ -15,16 +15,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..bundle import atomic_write_bytes, atomic_write_json, check_free_space, check_output_path
-from ..digest import sha256_file, tree_bytes, tree_files
+from ..bundle import atomic_write_bytes, check_free_space
+from ..digest import sha256_file, tree_bytes
 from ..errors import IntegrityError, NumericError, UsageError
 from ..formats import aimodel  # a backbone is a Core AI asset: the format's own names
 from ..formats.mlirb import Written
-from ..layout import MANIFEST_FILE
-from ..manifest import Compilation, FileDigest, LocalOrigin
+from ..manifest import Compilation, TensorSpec, mlirb_digest, release_source
 from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
-from ..sources.pins import load_pins
-from ..provenance import asset_description, build_date, build_record
+from ..provenance import asset_description, build_date
 from ..backbone.contract import (
     FUNCTION, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract, compressed_names, weight_names,
 )
@@ -32,7 +30,6 @@ from ..backbone.manifest import (
     HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, Compression, Interface, Language, LayerWeights,
     PlanRef,
 )
-from ..manifest import BackboneSource, TensorSpec
 from ..backbone.plan import PLAN_FILE
 from ..backbone.source import TOKENIZER_DIR, release_config
 from ..sources.pinned_files import check_pinned, read_files, verify_files
@@ -41,7 +38,8 @@ from ..engine.streamed_weights import TensorInfo, asset_bytes, locate, scratch_b
 from ..gate.backbone import BackboneVerifyConfig, tolerances, verify_backbone
 from ..sources.safetensors import shard_files
 
-from .config import BuildConfig, Made, Plan, bundle_name
+from .config import BuildConfig, Made, Plan, refuse_head_options, resolve_output
+from .core_ai import asset_outputs, export_seconds, made
 from .process import run_export, run_export_hashing
 from ..progress import plural
 
@@ -90,26 +88,16 @@ def disk_need(asset_bytes: int, numeric: bool, fp16_bytes: int | None = None) ->
 
 def refuse(cfg: BuildConfig) -> None:
     """Options a backbone build cannot take: exit 2 naming the option and the model."""
-    if cfg.format is not None and cfg.format != aimodel.FORMAT:
-        raise UsageError(f"{cfg.recipe_path}: --format {cfg.format}: a backbone is built as a Core AI asset only")
-    if cfg.verify_records is not None:
-        raise UsageError(f"{cfg.recipe_path}: --verify-records is for a head's gate; a backbone's gate runs its fixed "
-                         f"record lengths (1, S - 1, S, S + 1, three chunks, near the context)")
-    if cfg.aot:
-        raise UsageError(f"{cfg.recipe_path}: --aot is not offered for a backbone bundle yet")
+    refuse_head_options(cfg, "a backbone", "a backbone bundle",
+                        "its fixed record lengths (1, S - 1, S, S + 1, three chunks, near the context)")
 
 
 def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     """Everything checked before work. ``defer``: the shards are checked to be pinned and present
     here, and hashed while the export runs (listed in "deferred": ``BackgroundHashes``, or for a
     compressed build the read that makes its codes, ``engine.shard_reads``); a dry run hashes them here."""
-    from ..sources.fetch import resolve_source
-
     recipe = cfg.recipe
-    pins = load_pins(cfg.pins_path)
-    final = Path(cfg.out) / bundle_name(recipe, pins, cfg.name)
-    check_output_path(final, cfg.overwrite)
-    source = resolve_source(cfg.source, pins)
+    pins, final, source = resolve_output(cfg)
     if not source.is_dir():
         raise IntegrityError(f"{source}: source folder not found")
     names = read_files(source)
@@ -327,14 +315,12 @@ def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
                 raise IntegrityError(f"{source / f}: changed while the bundle was built")
             tokenizer[f] = digest
     # main.hash: the sha256 save took of main.mlirb in the pass that named its blobs (not read again)
-    known = {"main.mlirb": (asset_dir / "main.hash").read_bytes().hex()}
-    outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir, known).items()}
+    outputs = asset_outputs(asset_dir)
     outputs.update({f"{TOKENIZER_DIR}/{k}": v for k, v in tokenizer.items()})
     if p.found.auto:
         outputs[PLAN_FILE] = p.found.plan_ref.sha256
     mlirb = asset_dir / "main.mlirb"
-    seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
-    seconds["total"] = round(sum(seconds.values()), 3)
+    seconds = export_seconds(timings)
     fp16 = int(timings["weight_fp16_bytes"])
     manifest = BackboneManifest(
         metadata_version=METADATA_VERSION, kind=KIND, name=p.bundle.name, assets={"main": asset_dir.name},
@@ -342,24 +328,19 @@ def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
                           hidden_size=text.hidden_size, pad_token_id=text.pad_token_id,
                           layer_types=list(text.layer_types), text_config=text.as_dict()),
         interface=interface(text, chunking, recipe.compute),
-        source=BackboneSource(hf_id=pins.hf_id, revision=pins.revision, files=p.files, synthetic=pins.synthetic,
-                              origin=LocalOrigin(kind="local", name=pins.release_name, release=pins.release)
-                              if pins.origin == "local" else None),
+        source=release_source(pins, p.files),
         tokenizer=tokenizer,
         export=BackboneExport(weights=recipe.weights, compute=recipe.compute, aimodel_bytes=tree_bytes(asset_dir),
-                              main_mlirb=FileDigest(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
+                              main_mlirb=mlirb_digest(asset_dir, outputs),
                               weight_fp16_bytes=fp16, mlirb_over_weights=round(mlirb.stat().st_size / max(fp16, 1), 6),
                               seconds=seconds, tolerances=tolerances(recipe.compute, recipe.weights),
                               compression=compression_section(p, mlirb.stat().st_size)),
         compilation=Compilation(date=build_date(), targets=[]),
     )
-    atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))
-    outputs[MANIFEST_FILE] = sha256_file(tmp / MANIFEST_FILE)
-    record = build_record(recipe, p.cfg.recipe_path, pins, dict(sorted(outputs.items())), text.hidden_size,
-                          {"model": MODEL, "text_config": text.as_dict(), "seconds": seconds,
-                           # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see engine.streamed_weights)
-                           "scaled_tensors": int(timings.get("scaled_tensors", 0))})
-    return Made(manifest=manifest, record=record, seconds={k: v for k, v in seconds.items() if k != "total"})
+    return made(p, tmp, manifest, outputs, text.hidden_size,
+                {"model": MODEL, "text_config": text.as_dict(), "seconds": seconds,
+                 # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see engine.streamed_weights)
+                 "scaled_tensors": int(timings.get("scaled_tensors", 0))}, seconds)
 
 
 def gate(p: Plan, tmp: Path, log=lambda m: None):

@@ -67,3 +67,30 @@ def bundle_name(recipe: Any, pins, name: str | None = None) -> str:
     if not re.fullmatch(r"[A-Za-z0-9_]+", release):
         raise UsageError(f"release name {release!r}: letters, digits and _ only")
     return recipe.bundle_name(release)
+
+
+def resolve_output(cfg: BuildConfig) -> tuple[Any, Path, Path]:
+    """Every build's first checks: the pins (loaded once), the bundle's final path (free, or
+    ``--overwrite``), and the source folder the pins resolve to."""
+    from ..bundle import check_output_path
+    from ..sources.fetch import resolve_source
+    from ..sources.pins import load_pins
+
+    pins = load_pins(cfg.pins_path)
+    final = Path(cfg.out) / bundle_name(cfg.recipe, pins, cfg.name)
+    check_output_path(final, cfg.overwrite)
+    return pins, final, resolve_source(cfg.source, pins)
+
+
+def refuse_head_options(cfg: BuildConfig, model: str, bundle: str, gate_runs: str) -> None:
+    """A Core AI model other than the head takes no ``--format``, ``--verify-records`` or ``--aot``:
+    exit 2 naming the option and the model (``model``: "a backbone", ``bundle``: "a backbone bundle",
+    ``gate_runs``: what its gate runs instead)."""
+    from ..formats import aimodel
+
+    if cfg.format is not None and cfg.format != aimodel.FORMAT:
+        raise UsageError(f"{cfg.recipe_path}: --format {cfg.format}: {model} is built as a Core AI asset only")
+    if cfg.verify_records is not None:
+        raise UsageError(f"{cfg.recipe_path}: --verify-records is for a head's gate; {model}'s gate runs {gate_runs}")
+    if cfg.aot:
+        raise UsageError(f"{cfg.recipe_path}: --aot is not offered for {bundle} yet")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..bundle import atomic_write_json, check_free_space, check_output_path
+from ..bundle import atomic_write_json, check_free_space
 from ..digest import sha256_file, tree_files
 from ..errors import UsageError
 from ..head.backends import backend
@@ -18,7 +18,7 @@ from ..head.manifest import common_fields
 from ..provenance import build_date, build_record
 from ..sources.author import check_author_trusted
 from ..sources.pins import CODE_FILE, WEIGHTS_FILE, load_pins
-from .config import BuildConfig, Made, Plan, bundle_name
+from .config import BuildConfig, Made, Plan, resolve_output
 from .process import run_export
 
 MODEL = "head"
@@ -42,13 +42,10 @@ def refuse(cfg: BuildConfig) -> None:
 
 def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
     """What a build would do; checks everything that can be checked without heavy work."""
-    from ..sources.fetch import require_verified, resolve_source
+    from ..sources.fetch import require_verified
 
     recipe = cfg.recipe
-    pins = load_pins(cfg.pins_path)
-    final = Path(cfg.out) / bundle_name(recipe, pins, cfg.name)
-    check_output_path(final, cfg.overwrite)
-    source = resolve_source(cfg.source, pins)
+    pins, final, source = resolve_output(cfg)
     checks = require_verified(source, pins)
     check_author_trusted(source / CODE_FILE, pins.files[CODE_FILE], pins.trusted_author_sha256)
     weights = (source / WEIGHTS_FILE).stat().st_size * (1 if recipe.weights == "fp16w32" else 2)

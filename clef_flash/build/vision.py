@@ -15,18 +15,15 @@ from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
-from ..bundle import atomic_write_json, check_free_space, check_output_path
-from ..digest import sha256_file, tree_bytes, tree_files
-from ..errors import IntegrityError, UsageError
+from ..bundle import check_free_space
+from ..digest import tree_bytes
+from ..errors import IntegrityError
 from ..formats import aimodel
-from ..layout import MANIFEST_FILE
-from ..manifest import Compilation, FileDigest, LocalOrigin
+from ..manifest import Compilation, TensorSpec, mlirb_digest, release_source
 from ..sources.pinning import BACKBONE_CONFIG
-from ..sources.pins import load_pins
 from ..sources.safetensors import INDEX_FILE, shard_files
-from ..provenance import asset_description, build_date, build_record
+from ..provenance import asset_description, build_date
 from ..sources.pinned_files import check_pinned, verify_files
-from ..manifest import BackboneSource, TensorSpec
 from ..engine.streamed_weights import locate, scratch_bytes
 from ..vision.contract import (INPUT_ORDER, KIND, OUTPUT_NAMES, PREPROCESSOR_CONFIG, VisionConfig, function_name,
                                input_dtypes, input_shapes, read_preprocessing, read_vision_config, weight_names)
@@ -34,7 +31,8 @@ from ..vision.manifest import (HOST_CALL, METADATA_VERSION, PREPROCESS_RULE, Fun
                                VisionInterface, VisionManifest)
 from ..gate.vision import VisionVerifyConfig, tolerances, verify_vision
 
-from .config import BuildConfig, Made, Plan, bundle_name
+from .config import BuildConfig, Made, Plan, refuse_head_options, resolve_output
+from .core_ai import asset_outputs, export_seconds, made
 from .process import run_export_hashing
 
 MODEL = "vision"
@@ -65,23 +63,13 @@ def read_files(source: Path) -> list[str]:
 
 
 def refuse(cfg: BuildConfig) -> None:
-    if cfg.format is not None and cfg.format != aimodel.FORMAT:
-        raise UsageError(f"{cfg.recipe_path}: --format {cfg.format}: a vision tower is built as a Core AI asset only")
-    if cfg.verify_records is not None:
-        raise UsageError(f"{cfg.recipe_path}: --verify-records is for a head's gate; a vision tower's gate runs one "
-                         f"seeded image of a non-square aspect per bucket")
-    if cfg.aot:
-        raise UsageError(f"{cfg.recipe_path}: --aot is not offered for a vision bundle yet")
+    """Options a vision build cannot take: exit 2 naming the option and the model."""
+    refuse_head_options(cfg, "a vision tower", "a vision bundle", "one seeded image of a non-square aspect per bucket")
 
 
 def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
-    from ..sources.fetch import resolve_source
-
     recipe = cfg.recipe
-    pins = load_pins(cfg.pins_path)
-    final = Path(cfg.out) / bundle_name(recipe, pins, cfg.name)
-    check_output_path(final, cfg.overwrite)
-    source = resolve_source(cfg.source, pins)
+    pins, final, source = resolve_output(cfg)
     if not source.is_dir():
         raise IntegrityError(f"{source}: source folder not found")
     names = read_files(source)
@@ -129,32 +117,25 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
            "description": {**asset_description(pins), "description": f"Qwen3.5 vision tower of {pins.label}, "
                            f"buckets {list(recipe.buckets)} tokens, weights {recipe.weights}, compute {recipe.compute}"}}
     timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
-    known = {"main.mlirb": (asset_dir / "main.hash").read_bytes().hex()}
-    outputs = {f"{asset_dir.name}/{k}": v for k, v in tree_files(asset_dir, known).items()}
+    outputs = asset_outputs(asset_dir)
     mlirb = asset_dir / "main.mlirb"
-    seconds = {k: round(timings[k], 3) for k in ("weights", "trace", "convert", "save")}
-    seconds["total"] = round(sum(seconds.values()), 3)
+    seconds = export_seconds(timings)
     fp16 = int(timings["weight_fp16_bytes"])
     manifest = VisionManifest(
         metadata_version=METADATA_VERSION, kind=KIND, name=p.bundle.name, assets={"main": asset_dir.name},
         tower=Tower(vision_config=vcfg.as_dict(), out_hidden_size=vcfg.out_hidden_size, parameters=p.found.parameters),
         preprocess=Preprocess(**pre.as_dict(), rule=PREPROCESS_RULE),
         interface=interface(vcfg, recipe.buckets, recipe.compute),
-        source=BackboneSource(hf_id=pins.hf_id, revision=pins.revision, files=p.files, synthetic=pins.synthetic,
-                              origin=LocalOrigin(kind="local", name=pins.release_name, release=pins.release)
-                              if pins.origin == "local" else None),
+        source=release_source(pins, p.files),
         export=VisionExport(weights=recipe.weights, compute=recipe.compute, aimodel_bytes=tree_bytes(asset_dir),
-                            main_mlirb=FileDigest(bytes=mlirb.stat().st_size, sha256=outputs[f"{asset_dir.name}/main.mlirb"]),
+                            main_mlirb=mlirb_digest(asset_dir, outputs),
                             weight_fp16_bytes=fp16, mlirb_over_weights=round(mlirb.stat().st_size / max(fp16, 1), 6),
                             seconds=seconds, tolerances=tolerances(recipe.compute)),
         compilation=Compilation(date=build_date(), targets=[]),
     )
-    atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))
-    outputs[MANIFEST_FILE] = sha256_file(tmp / MANIFEST_FILE)
-    record = build_record(recipe, p.cfg.recipe_path, pins, dict(sorted(outputs.items())), vcfg.out_hidden_size,
-                          {"model": MODEL, "vision_config": vcfg.as_dict(), "seconds": seconds,
-                           "scaled_tensors": int(timings.get("scaled_tensors", 0))})
-    return Made(manifest=manifest, record=record, seconds={k: v for k, v in seconds.items() if k != "total"})
+    return made(p, tmp, manifest, outputs, vcfg.out_hidden_size,
+                {"model": MODEL, "vision_config": vcfg.as_dict(), "seconds": seconds,
+                 "scaled_tensors": int(timings.get("scaled_tensors", 0))}, seconds)
 
 
 def gate(p: Plan, tmp: Path, log=lambda m: None):

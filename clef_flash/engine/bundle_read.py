@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..digest import sha256_file
 from ..errors import IntegrityError
@@ -43,3 +45,13 @@ def check_built_from(bundle: Path, release: Path, files: dict[str, str], what: s
             raise IntegrityError(f"{path}: sha256 differs from {bundle}'s manifest: the {what} was built from "
                                  f"another release")
     return (f"release {what} files = bundle's source", True, f"{plural(len(files), 'file')}")
+
+
+@dataclass(frozen=True)
+class OpenedBundle:
+    """A bundle opened to run: its folder, its asset, its manifest, and the checks it passed."""
+
+    bundle: Path
+    asset: Path
+    manifest: Any
+    checks: list[tuple[str, bool, str]]

@@ -22,14 +22,15 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..errors import IntegrityError, UsageError
-from ..report import Report
+from ..report import GateConfig
+from .rows import RowsReport, asset_facts_of, core_ai_schema, source_of  # noqa: F401 (source_of: gate.MODELS' entry)
 from ..backbone.bundle import check_files, descriptor_checks
 from ..formats.aimodel import check_files as check_asset
 from ..formats.mlirb import BytecodeError
@@ -83,10 +84,7 @@ def tolerances(compute: str, weights: str = "fp16") -> dict[str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
-class BackboneVerifyConfig:
-    bundle: Path
-    source: Path | None
-    pins_path: Path
+class BackboneVerifyConfig(GateConfig):
     seed: int = 0
     long_record: int | None = None
     numeric_max_parameters: int | None = None  # None: NUMERIC_MAX_PARAMETERS for the bundle's compute
@@ -112,34 +110,14 @@ class RecordResult:
 
 
 @dataclass
-class BackboneReport(Report):
-    compute: str = "fp32"
-    results: list[RecordResult] = field(default_factory=list)
-    red_arms: tuple[str, ...] = ()  # the arms this run had to run (all of RED_ARMS when red)
+class BackboneReport(RowsReport):
     weights: str = "fp16"
 
-    def _inside(self, r: RecordResult) -> bool:
-        bars = TOLERANCES[self.compute]
-        return r.rel_max_abs_d <= bars["rel_max_abs_d"][0] and r.min_row_cosine >= bars["min_row_cosine"][0]
+    TOLERANCES: ClassVar = TOLERANCES
+    REPORTED_ARMS: ClassVar = (REPORTED,)
 
-    def result_failures(self) -> list[str]:
-        out = []
-        bars = TOLERANCES[self.compute]
-        for r in self.results:
-            inside = self._inside(r)
-            if r.arm == REPORTED:
-                continue
-            if r.arm == "main" and not inside:
-                out.append(f"record {r.name} ({plural(r.tokens, 'token')}): rel max |d| {r.rel_max_abs_d:.3g} (bar "
-                           f"{bars['rel_max_abs_d'][0]:g}), min row cosine {r.min_row_cosine:.6f} (bar {bars['min_row_cosine'][0]:g})")
-            if r.arm != "main" and inside:
-                out.append(f"red arm {r.arm} on record {r.name}: rel max |d| {r.rel_max_abs_d:.3g} passes the bar "
-                           f"(the gate cannot see it)")
-        if self.results:  # a numeric run: every arm it owed is there
-            ran = {r.arm for r in self.results if r.arm not in ("main", REPORTED)}
-            out.extend(f"red arm {arm} did not run (no gate passes without its red arms)"
-                       for arm in self.red_arms if arm not in ran)
-        return out
+    def _main_label(self, r: RecordResult) -> str:
+        return f"record {r.name} ({plural(r.tokens, 'token')})"
 
     def title(self) -> str:
         return f"verify {self.bundle} (backbone, weights {self.weights}, compute {self.compute})"
@@ -154,16 +132,12 @@ class BackboneReport(Report):
                 out.append(([f"{r.name} (vs the uncompressed release)", str(r.tokens), str(r.calls),
                              f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], "report"))
                 continue
-            ok = self._inside(r) if r.arm == "main" else not self._inside(r)
             out.append(([r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", str(r.tokens), str(r.calls),
-                         f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], "pass" if ok else "FAIL"))
+                         f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], self.verdict(r)))
         return out
 
-    def bars(self) -> dict[str, float]:
-        return {k: v[0] for k, v in TOLERANCES[self.compute].items()}
-
     def lines(self) -> list[str]:
-        red = [r for r in self.results if r.arm not in ("main", REPORTED)]
+        red = self.red_results()
         out = ["red arms run: " + ", ".join(f"{r.arm} on {r.name} ({r.rel_max_abs_d:.2g})" for r in red)] if red else []
         q = self.quantization()
         if q:
@@ -179,11 +153,11 @@ class BackboneReport(Report):
         return {"rel_max_abs_d": max(r.rel_max_abs_d for r in q), "min_row_cosine": min(r.min_row_cosine for r in q)}
 
     def headline(self) -> str:
-        main = [r for r in self.results if r.arm == "main"]
+        main = self.main_results()
         if not main:
-            return f"{sum(ok for _, ok, _ in self.checks)}/{plural(len(self.checks), 'check')} of the saved asset passed"
+            return self.checks_headline()
         worst = max(r.rel_max_abs_d for r in main)
-        red = [r for r in self.results if r.arm not in ("main", REPORTED)]
+        red = self.red_results()
         q = self.quantization()
         return (f"{plural(len(main), 'record')}, rel max |d| {worst:.2e} (bar {self.bars()['rel_max_abs_d']:g}); red arms "
                 + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red)
@@ -191,12 +165,12 @@ class BackboneReport(Report):
                    if q else ""))
 
     def summary(self) -> dict[str, Any]:
-        main = [r for r in self.results if r.arm == "main"]
+        main = self.main_results()
         return {"ok": self.ok, "compute": self.compute,
                 "records": {r.name: {"tokens": r.tokens, "calls": r.calls, "rel_max_abs_d": r.rel_max_abs_d,
                                      "min_row_cosine": r.min_row_cosine} for r in main},
-                "red": {r.arm: r.rel_max_abs_d for r in self.results if r.arm not in ("main", REPORTED)},
-                "red_records": {r.arm: r.name for r in self.results if r.arm not in ("main", REPORTED)},
+                "red": {r.arm: r.rel_max_abs_d for r in self.red_results()},
+                "red_records": {r.arm: r.name for r in self.red_results()},
                 "weights": self.weights, "quantization": self.quantization(),
                 "bars": self.bars(),
                 "checks": {n: ok for n, ok, _ in self.checks}, "failures": self.failures, "notes": self.notes}
@@ -514,10 +488,6 @@ def manifest_of(bundle: Path):
     return check_files(bundle)[0]
 
 
-def source_of(manifest) -> tuple[str, str | None]:
-    return manifest.source.hf_id, manifest.source.revision
-
-
 def run(opts, manifest, pins_path: Path, log=lambda msg: None) -> BackboneReport:
     return verify_backbone(BackboneVerifyConfig(bundle=opts.bundle, source=opts.source, pins_path=pins_path,
                                                 seed=opts.seed), log=log)
@@ -542,14 +512,10 @@ def inspect(bundle: Path) -> dict[str, Any]:
 
 
 def asset_facts(bundle: Path) -> tuple[str, str, str]:
-    m, asset, _ = check_files(bundle)
-    return m.name, asset.suffix[1:], m.export.main_mlirb.sha256
+    return asset_facts_of(check_files(bundle))
 
 
 def schema(fmt: str | None = None) -> dict[str, Any]:
     from ..backbone.manifest import json_schema
-    from ..formats import aimodel
 
-    if fmt is not None and fmt != aimodel.FORMAT:
-        raise UsageError(f"--format {fmt}: a backbone bundle is a Core AI asset only")
-    return json_schema()
+    return core_ai_schema(fmt, "a backbone bundle", json_schema)

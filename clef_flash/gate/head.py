@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import IntegrityError
-from ..report import Report as BaseReport, Row
+from ..report import GateConfig, Report as BaseReport, Row
 from ..head.host import head_inputs, question_probs
 from ..manifest import pads
 from ..head.records import LEXICAL_VOCAB, Record, author_logits, load_recorded, random_records
@@ -44,10 +44,7 @@ RED_ARMS = ("spans_late", "lexical_zero", "member_rotated")
 
 
 @dataclass(frozen=True)
-class VerifyConfig:
-    bundle: Path
-    source: Path | None
-    pins_path: Path
+class VerifyConfig(GateConfig):
     records: int = 4
     seed: int = 0
     red: bool = False

@@ -23,16 +23,17 @@ import gc
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..errors import UsageError
 from ..interrupts import run_async
 from ..progress import plural
-from ..report import Report
+from ..report import GateConfig
+from .rows import RowsReport, asset_facts_of, core_ai_schema, source_of  # noqa: F401 (source_of: gate.MODELS' entry)
 from ..vision.bundle import check_files
 
 TOLERANCES: dict[str, dict[str, tuple[float, str]]] = {
@@ -57,10 +58,7 @@ def tolerances(compute: str) -> dict[str, dict[str, Any]]:
 
 
 @dataclass(frozen=True)
-class VisionVerifyConfig:
-    bundle: Path
-    source: Path | None
-    pins_path: Path
+class VisionVerifyConfig(GateConfig):
     seed: int = 0
     all_buckets_max_parameters: int = 50_000_000
     numeric_max_parameters: int = 2_000_000_000
@@ -82,29 +80,9 @@ class ImageResult:
 
 
 @dataclass
-class VisionReport(Report):
-    compute: str = "fp32"
-    results: list[ImageResult] = field(default_factory=list)
-    red_arms: tuple[str, ...] = ()
-
-    def _inside(self, r: ImageResult) -> bool:
-        bars = TOLERANCES[self.compute]
-        return r.rel_max_abs_d <= bars["rel_max_abs_d"][0] and r.min_row_cosine >= bars["min_row_cosine"][0]
-
-    def result_failures(self) -> list[str]:
-        out, bars = [], TOLERANCES[self.compute]
-        for r in self.results:
-            inside = self._inside(r)
-            if r.arm == "main" and not inside:
-                out.append(f"image {r.name}: rel max |d| {r.rel_max_abs_d:.3g} (bar {bars['rel_max_abs_d'][0]:g}), "
-                           f"min row cosine {r.min_row_cosine:.6f} (bar {bars['min_row_cosine'][0]:g})")
-            if r.arm != "main" and inside:
-                out.append(f"red arm {r.arm} on image {r.name}: rel max |d| {r.rel_max_abs_d:.3g} passes the bar "
-                           f"(the gate cannot see it)")
-        if self.results:
-            ran = {r.arm for r in self.results if r.arm != "main"}
-            out.extend(f"red arm {a} did not run (no gate passes without its red arms)" for a in self.red_arms if a not in ran)
-        return out
+class VisionReport(RowsReport):
+    TOLERANCES: ClassVar = TOLERANCES
+    NOUN: ClassVar = "image"
 
     def title(self) -> str:
         return f"verify {self.bundle} (vision tower, compute {self.compute})"
@@ -115,28 +93,24 @@ class VisionReport(Report):
     def rows(self):
         out = []
         for r in self.results:
-            ok = self._inside(r) if r.arm == "main" else not self._inside(r)
             out.append(([r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", r.function, str(r.tokens),
-                         f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], "pass" if ok else "FAIL"))
+                         f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], self.verdict(r)))
         return out
 
-    def bars(self) -> dict[str, float]:
-        return {k: v[0] for k, v in TOLERANCES[self.compute].items()}
-
     def headline(self) -> str:
-        main = [r for r in self.results if r.arm == "main"]
+        main = self.main_results()
         if not main:
-            return f"{sum(ok for _, ok, _ in self.checks)}/{plural(len(self.checks), 'check')} of the saved asset passed"
-        red = [r for r in self.results if r.arm != "main"]
+            return self.checks_headline()
+        red = self.red_results()
         return (f"{plural(len(main), 'image')}, rel max |d| {max(r.rel_max_abs_d for r in main):.2e} (bar "
                 f"{self.bars()['rel_max_abs_d']:g}); red arms " + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red))
 
     def summary(self) -> dict[str, Any]:
-        main = [r for r in self.results if r.arm == "main"]
+        main = self.main_results()
         return {"ok": self.ok, "compute": self.compute,
                 "images": {r.name: {"function": r.function, "tokens": r.tokens, "rel_max_abs_d": r.rel_max_abs_d,
                                     "min_row_cosine": r.min_row_cosine} for r in main},
-                "red": {r.arm: r.rel_max_abs_d for r in self.results if r.arm != "main"},
+                "red": {r.arm: r.rel_max_abs_d for r in self.red_results()},
                 "bars": self.bars(), "checks": {n: ok for n, ok, _ in self.checks}, "failures": self.failures,
                 "notes": self.notes}
 
@@ -327,10 +301,6 @@ def manifest_of(bundle: Path):
     return check_files(bundle)[0]
 
 
-def source_of(manifest) -> tuple[str, str | None]:
-    return manifest.source.hf_id, manifest.source.revision
-
-
 def run(opts, manifest, pins_path: Path, log=lambda msg: None) -> VisionReport:
     return verify_vision(VisionVerifyConfig(bundle=opts.bundle, source=opts.source, pins_path=pins_path, seed=opts.seed),
                          log=log)
@@ -352,14 +322,10 @@ def inspect(bundle: Path) -> dict[str, Any]:
 
 
 def asset_facts(bundle: Path) -> tuple[str, str, str]:
-    m, asset, _ = check_files(bundle)
-    return m.name, asset.suffix[1:], m.export.main_mlirb.sha256
+    return asset_facts_of(check_files(bundle))
 
 
 def schema(fmt: str | None = None) -> dict[str, Any]:
-    from ..formats import aimodel
     from ..vision.manifest import json_schema
 
-    if fmt is not None and fmt != aimodel.FORMAT:
-        raise UsageError(f"--format {fmt}: a vision bundle is a Core AI asset only")
-    return json_schema()
+    return core_ai_schema(fmt, "a vision bundle", json_schema)

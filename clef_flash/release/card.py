@@ -179,6 +179,21 @@ def _built(dist: Dist) -> list[str]:
     return out + [""]
 
 
+def _rows_table(title: str, columns: tuple[str, ...], results: dict[str, dict[str, Any]], bars: dict[str, Any],
+               red: dict[str, float] | None, red_lead: str, red_tail: str) -> list[str]:
+    """A Core AI model's gate rows: its own columns (the first names the row; the rest are keys of each
+    result), relative max |d| and min row cosine against their bars, then its red arms' figures."""
+    out = [title, "", "| " + " | ".join(columns) + " | relative max \\|d\\| | bar | min row cosine | bar |",
+           "|" + "---|" * (len(columns) + 4)]
+    for name, r in results.items():
+        own = "".join(f" {r[k]} |" for k in columns[1:])
+        out.append(f"| {name} |{own} {fig(r['rel_max_abs_d'])} | {fig(bars.get('rel_max_abs_d'))} | "
+                   f"{fig(r['min_row_cosine'], 9)} | {fig(bars.get('min_row_cosine'), 9)} |")
+    if red:
+        out += ["", red_lead + ", ".join(f"{k} {fig(x)}" for k, x in red.items()) + red_tail]
+    return out
+
+
 def _proof(dist: Dist, transcript: dict[str, Any] | None) -> list[str]:
     out = ["## Proof", "", "Each bundle's gate ran on the saved asset through the Core AI runtime (Linux CPU) at build time.", ""]
     for b in dist.bundles:
@@ -191,25 +206,16 @@ def _proof(dist: Dist, transcript: dict[str, Any] | None) -> list[str]:
                 out.append(f"| {fn} | {v['records_per_function'][fn]} | {fig(v['max_abs_dp'][fn])} | {fig(bars.get('max_abs_dp'))} | "
                            f"{fig(v['max_abs_dlogit'][fn])} | {fig(bars.get('max_abs_dlogit'))} | {v['argmax'][fn]} |")
         elif b.kind == VISION_KIND:
-            out += [f"`{b.name}` (compute {v.get('compute')}) on seeded images of a non-square aspect, one per bucket it ran, "
-                    "against transformers' `Qwen3_5VisionModel` (fp32):", "",
-                    "| image | function | tokens | relative max \\|d\\| | bar | min row cosine | bar |", "|---|---|---|---|---|---|---|"]
-            for name, r in v.get("images", {}).items():
-                out.append(f"| {name} | {r['function']} | {r['tokens']} | {fig(r['rel_max_abs_d'])} | {fig(bars.get('rel_max_abs_d'))} | "
-                           f"{fig(r['min_row_cosine'], 9)} | {fig(bars.get('min_row_cosine'), 9)} |")
-            if v.get("red"):
-                out += ["", "Red arm (patches in raster order, not the processor's merge order): " + ", ".join(
-                    f"{k} {fig(x)}" for k, x in v["red"].items()) + " relative max |d|, far over the bar."]
+            out += _rows_table(f"`{b.name}` (compute {v.get('compute')}) on seeded images of a non-square aspect, one per "
+                               "bucket it ran, against transformers' `Qwen3_5VisionModel` (fp32):",
+                               ("image", "function", "tokens"), v.get("images", {}),
+                               bars, v.get("red"), "Red arm (patches in raster order, not the processor's merge order): ",
+                               " relative max |d|, far over the bar.")
         else:
-            out += [f"`{b.name}` (compute {v.get('compute')}) chunk by chunk with its states, against transformers' "
-                    "text model of the release (fp32, one full forward per record):", "",
-                    "| record | tokens | calls | relative max \\|d\\| | bar | min row cosine | bar |", "|---|---|---|---|---|---|---|"]
-            for name, r in v.get("records", {}).items():
-                out.append(f"| {name} | {r['tokens']} | {r['calls']} | {fig(r['rel_max_abs_d'])} | {fig(bars.get('rel_max_abs_d'))} | "
-                           f"{fig(r['min_row_cosine'], 9)} | {fig(bars.get('min_row_cosine'), 9)} |")
-            if v.get("red"):
-                out += ["", "Red arms (the gate must see them): " + ", ".join(
-                    f"{k} {fig(x)}" for k, x in v["red"].items()) + " relative max |d|, each far over the bar."]
+            out += _rows_table(f"`{b.name}` (compute {v.get('compute')}) chunk by chunk with its states, against "
+                               "transformers' text model of the release (fp32, one full forward per record):",
+                               ("record", "tokens", "calls"), v.get("records", {}),
+                               bars, v.get("red"), "Red arms (the gate must see them): ", " relative max |d|, each far over the bar.")
             c = (b.manifest.get("export") or {}).get("compression")
             if c:
                 q = v.get("quantization") or {}

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..bundle import read_json
-from ..errors import IntegrityError
+from ..errors import IntegrityError, not_a_config, refuse_problems
 
 VISUAL = "model.visual."
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -89,11 +89,8 @@ def vision_config(raw: dict[str, Any], where: str) -> VisionConfig:
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"rope_type {rope['rope_type']!r} (the tower's rotary is axial)")
     except (KeyError, TypeError, ValueError) as exc:
-        what = f"missing {exc.args[0]!r}" if isinstance(exc, KeyError) else str(exc)
-        raise IntegrityError(f"{where}: not a Qwen3.5 vision configuration ({what})") from None
-    problems = check_config(cfg)
-    if problems:
-        raise IntegrityError(f"{where}: vision_config: {problems[0]}")
+        raise not_a_config(where, "Qwen3.5 vision configuration", exc) from None
+    refuse_problems(where, check_config(cfg), "vision_config: ")
     return cfg
 
 

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..engine.bundle_read import OpenedBundle
 from ..errors import IntegrityError
 from ..interrupts import run_async
 from ..progress import plural
@@ -26,11 +27,7 @@ from .preprocess import Grid
 
 
 @dataclass(frozen=True)
-class ShippedVision:
-    bundle: Path
-    asset: Path
-    manifest: Any  # VisionManifest
-    checks: list[tuple[str, bool, str]]
+class ShippedVision(OpenedBundle):  # manifest: VisionManifest
     cfg: VisionConfig
     pre: Preprocessing
 
