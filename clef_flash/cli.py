@@ -495,48 +495,6 @@ def _check_out_file(path: Optional[Path], option: str) -> None:
         raise UsageError(f"{option} {path}: {probe} is not writable")
 
 
-def _print_check(report, console: Console) -> None:
-    t = report.transcript
-    s = t["summary"]
-    tab = Table(title=f"check-release {t['release']} vs {t['bundle']}")
-    for col in ("check", "value", "bar", "result"):
-        tab.add_column(col)
-
-    def row(name: str, value: str, bar: str, ok: bool) -> None:
-        tab.add_row(name, value, bar, "[green]pass[/]" if ok else "[red]FAIL[/]")
-
-    row("requests", f"{s['checked']} checked of {s['requests']}, {s['does_not_fit']} do not fit", "listed, never cut", s["checked"] > 0)
-    row("questions", str(s["questions"]), "", True)
-    row("answers equal", f"{s['answers_equal']} equal, {s['near_ties']} near-ties, {s['rounded_digits']} differ in rounded digits only",
-        "0 disagreements", s["disagreements"] == 0)
-    row("disagreements", str(s["disagreements"]), "0", s["disagreements"] == 0)
-    row("argmax equal", f"{s['argmax_equal']}/{s['questions']}", "near-ties aside", True)
-    row("max |d p|", f"{s['max_abs_dp']:.2e} ({s['max_over_bar']:.2f} of the bar)", f"<= {s['bar']:g}", s["max_abs_dp"] <= s["bar"])
-    if s["mean_bar"] is not None:
-        row("mean |d p|", f"{s['mean_abs_dp']:.2e}", f"<= {s['mean_bar']:g}", s["mean_abs_dp"] <= s["mean_bar"])
-    if s["backbone"]:
-        b = s["backbone"]
-        row("backbone hidden rows", f"rel max |d| {b['hidden_rel_max_abs_d']:.2e} (fp{'32' if b['compute'] == 'fp32' else '16'} "
-            f"compute, {b['seconds']:.1f} s)", "reported", True)
-    im = s.get("images") or {}
-    if im.get("requests"):
-        via = f"{im['through_vision']} through the vision asset (rel max |d| {im['vision_rel_max_abs_d']:.2e})" \
-            if im.get("vision") else "the reference's rows (no --backbone)"
-        row("image requests", f"{im['requests']} checked, {via}; max |d p| {im['max_abs_dp']:.2e} at the native grid "
-            f"(the port's square tile: {im['port_square_tile_max_abs_dp']:g})", "the bar above", im["host_patches_equal"])
-    row("usage.input_tokens equal", f"{s['usage_equal']}/{s['checked']}", "all", s["usage_equal"] == s["checked"])
-    row("buckets used", ", ".join(f"{k}: {v}" for k, v in s["functions_used"].items()), "", True)
-    row("wall time", f"{s['seconds']['total']:.1f} s (reference {s['seconds']['reference']:.1f} s, asset "
-        f"{s['seconds']['shipped']:.1f} s)", "", True)
-    console.print(tab)
-    for e in t["does_not_fit"]:
-        console.print(f"  [yellow]does not fit[/] {escape(e['id'])} (line {e['line']}, {e['tokens']} tokens): {escape(e['why'])}")
-    for name, ok, detail in report.checks:
-        console.print(f"  {'[green]✓[/]' if ok else '[red]✗[/]'} {escape(name)}: {escape(str(detail))}")
-    if t["red"]:
-        console.print(f"  red arm: {t['red']} (the shipped path perturbed; this run must fail)")
-
-
 @app.command("check-release")
 def check_release_cmd(
     release: Annotated[Path, typer.Argument(help="A release folder (clef-finetune's layout: backbone, tokenizer, head).")],
@@ -553,7 +511,7 @@ def check_release_cmd(
 ) -> None:
     """Answer requests with the author's systemone and with the shipped path (the head asset on the same hidden rows, or with --backbone the backbone asset's rows); exit 4 on any disagreement."""
     from .bundle import atomic_write_json
-    from .release.check import CheckConfig, check_release
+    from .check import CheckConfig, check_release
 
     cfg = CheckConfig(release=release, bundle=bundle, table=table, requests=requests, device=device, dtype=dtype, red=red,
                       backbone=backbone, vision=vision)
@@ -562,7 +520,7 @@ def check_release_cmd(
     human = _human(json_out)
     if json_out:
         _emit_json(report.transcript["summary"])
-    _print_check(report, human)
+    _print_report(report, human)
     if transcript:
         _run(lambda: atomic_write_json(transcript, report.transcript))
     if not report.ok:

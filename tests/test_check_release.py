@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from clef_flash.release.check import BARS, DISAGREE, EQUAL, NEAR_TIE, ROUNDED, compare_question, default_requests, load_requests
+from clef_flash.check import BARS, DISAGREE, EQUAL, NEAR_TIE, ROUNDED, compare_question, default_requests, load_requests
 from clef_flash.cli import app
 from clef_flash.errors import UsageError
 

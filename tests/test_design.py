@@ -98,7 +98,7 @@ def test_no_arrow_back_up_the_rooms():
     r = rooms(graph())
     assert find_cycle(r) is None, " -> ".join(find_cycle(r) or [])
     for low in ("head", "backbone", "formats", "sources"):
-        assert not r.get(low, set()) & {"build", "gate", "release", "cli"}, (low, r[low])
+        assert not r.get(low, set()) & {"build", "gate", "release", "check", "cli"}, (low, r[low])
     assert not r["sources"] & {"head", "backbone", "formats"}
     broken = {**r, "sources": r["sources"] | {"backbone"}}  # pinning reading headers through backbone.weights
     assert find_cycle(broken) is not None
@@ -141,7 +141,7 @@ def test_the_models_are_peers_over_the_engine():
     r = rooms(graph())
     for m in MODELS:
         assert not below(r, m) & set(MODELS), (m, sorted(below(r, m) & set(MODELS)))
-        assert not below(r, m) & {"build", "gate", "release", "cli", "synth"}, m
+        assert not below(r, m) & {"build", "gate", "release", "check", "cli", "synth"}, m
     assert "engine" in r["backbone"] and "engine" in r["vision"] and "ops" in r["vision"]
     assert not below(r, "engine") & set(MODELS) and not below(r, "formats") & set(MODELS)
     broken = {**r, "vision": r["vision"] | {"backbone"}}  # the tower reaching into the decoder again
@@ -162,7 +162,8 @@ def long_functions(limit: int) -> dict[str, int]:
 def test_no_function_over_100_lines():
     """A function the reader holds in one view; check-release reads as its steps (under 80)."""
     assert not long_functions(100), long_functions(100)
-    assert long_functions(80).get("release/check.py:check_release") is None
+    assert long_functions(80).get("check/__init__.py:check_release") is None
+    assert "check/__init__.py:check_release" in long_functions(20)  # the name the bar is held to is still there
     assert "backbone/stitch.py:stitch" in long_functions(40)  # the walk measures what it should
 
 
@@ -193,7 +194,7 @@ def test_the_model_is_chosen_in_one_place_per_stage():
     ``is_backbone``, no kind string compared): each stage looks the model up once."""
     offenders = []
     for path in sorted([*PKG.glob("cli.py"), *(PKG / "build").glob("*.py"), *(PKG / "gate").glob("*.py"),
-                        *(PKG / "release").glob("*.py")]):
+                        *(PKG / "release").glob("*.py"), *(PKG / "check").glob("*.py")]):
         text = path.read_text()
         for needle in ("is_backbone", "_is_backbone_bundle", '== "decision-backbone"', "== KIND", '== "backbone"', '== "head"'):
             if needle in text:

@@ -267,7 +267,7 @@ def test_check_release_names_a_bundle_passed_in_the_wrong_place(release, two_chu
 
 
 def test_check_release_refuses_a_transcript_folder_before_the_run(release, head_bundle, tmp_path, monkeypatch):
-    from clef_flash.release import check
+    from clef_flash import check
 
     monkeypatch.setattr(check, "check_release", lambda *a, **k: pytest.fail("the run started"))
     res = invoke("check-release", release, "--bundle", head_bundle, "--transcript", tmp_path)

@@ -1,0 +1,361 @@
+"""``check-release``: the shipped head answers real requests like the author's model.
+
+1. the bundle against its manifest, the release's head files against the manifest's source
+   hashes (the head the bundle was built from), the author's file known or trusted;
+2. the requests (JSONL of SystemOne request bodies; ``conversion/requests.jsonl`` by default),
+   each checked and encoded with the author's ``encode_record``; what does not fit the bundle's
+   buckets and pads is listed with the reason, never cut and never silently skipped;
+3. the reference: the author's ``systemone`` on the release's own backbone and head
+   (``reference.Reference``), its head's inputs and outputs recorded;
+4. the shipped path on the same hidden rows: ``host.head_inputs`` with the exported lm_head table
+   (``--table``, or built from the release into a temporary folder), the bundle's function for the
+   record's bucket run by the Core AI runtime, ``host.question_probs`` and ``host.answers``;
+5. per question, the answers field by field and the probabilities before rounding; a checklist,
+   a transcript, and ``NumericError`` (exit 4) on any disagreement.
+
+With ``--backbone`` (a backbone bundle of the same release, ``backbone.shipped``) step 4 starts one
+stage earlier: the token ids the release's tokenizer gave go through the backbone asset chunk by
+chunk with its states, and the head asset reads those hidden rows instead of the reference's: the
+whole model a Mac host runs. The bar is then the backbone's (``check.backbone.BACKBONE_BARS``) when wider.
+
+With ``--vision`` too (a vision bundle of the same release, ``vision.shipped``), a request's image
+goes the way a Mac host sends it: the file through the host's preprocessing (numpy + Pillow; held
+bit for bit to the pixels the author's processor gave), the tower asset at the image's native grid
+(the bucket that holds it; over the cap it does not fit), its rows into the backbone asset's image
+inputs at the image's tokens, then the head asset. Without ``--backbone`` an image request runs the
+head on the reference's rows, as text requests do.
+
+A red arm (``--red spans``, ``lexical``, ``state`` with ``--backbone``, ``image`` with ``--vision``)
+perturbs the shipped path only; it must fail.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import IntegrityError, ToolchainError, UsageError
+from ..interrupts import run_async
+from ..progress import plural
+from ..report import Report
+from ..sources.requests import default_requests, load_requests
+from . import backbone as backbone_part
+from . import head as head_part
+from . import vision as vision_part
+from .head import BARS, DISAGREE, EQUAL, NEAR_TIE, ROUNDED, compare_question  # noqa: F401 (the check's public names)
+
+# state: the backbone's states not carried between chunks (--backbone); image: the image's rows zeroed
+# in the decoder's inputs (--vision)
+RED_ARMS = ("spans", "lexical", "state", "image")
+
+
+@dataclass(frozen=True)
+class CheckConfig:
+    release: Path
+    bundle: Path
+    table: Path | None = None
+    requests: Path | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    red: str | None = None
+    backbone: Path | None = None  # a backbone bundle of this release: its asset computes the hidden rows
+    vision: Path | None = None  # a vision bundle of this release: its asset computes an image's rows
+
+
+@dataclass
+class CheckReport(Report):
+    """check-release's report: the gates' ``Report`` (printed the same way), its rows the summary's."""
+
+    comparison_failures: list[str] = field(default_factory=list)
+
+    def result_failures(self) -> list[str]:
+        return list(self.comparison_failures)
+
+    def title(self) -> str:
+        return f"check-release {self.transcript['release']} vs {self.transcript['bundle']}"
+
+    def columns(self) -> list[str]:
+        return ["check", "value", "bar"]
+
+    def rows(self):
+        s = self.transcript["summary"]
+        out = []
+
+        def row(name: str, value: str, bar: str, ok: bool) -> None:
+            out.append(([name, value, bar], "pass" if ok else "FAIL"))
+
+        row("requests", f"{s['checked']} checked of {s['requests']}, {s['does_not_fit']} do not fit", "listed, never cut", s["checked"] > 0)
+        row("questions", str(s["questions"]), "", True)
+        row("answers equal", f"{s['answers_equal']} equal, {s['near_ties']} near-ties, {s['rounded_digits']} differ in rounded "
+            "digits only", "0 disagreements", s["disagreements"] == 0)
+        row("disagreements", str(s["disagreements"]), "0", s["disagreements"] == 0)
+        row("argmax equal", f"{s['argmax_equal']}/{s['questions']}", "near-ties aside", True)
+        row("max |d p|", f"{s['max_abs_dp']:.2e} ({s['max_over_bar']:.2f} of the bar)", f"<= {s['bar']:g}", s["max_abs_dp"] <= s["bar"])
+        if s["mean_bar"] is not None:
+            row("mean |d p|", f"{s['mean_abs_dp']:.2e}", f"<= {s['mean_bar']:g}", s["mean_abs_dp"] <= s["mean_bar"])
+        if s["backbone"]:
+            b = s["backbone"]
+            row("backbone hidden rows", f"rel max |d| {b['hidden_rel_max_abs_d']:.2e} (fp{'32' if b['compute'] == 'fp32' else '16'} "
+                f"compute, {b['seconds']:.1f} s)", "reported", True)
+        im = s.get("images") or {}
+        if im.get("requests"):
+            via = f"{im['through_vision']} through the vision asset (rel max |d| {im['vision_rel_max_abs_d']:.2e})" \
+                if im.get("vision") else "the reference's rows (no --backbone)"
+            row("image requests", f"{im['requests']} checked, {via}; max |d p| {im['max_abs_dp']:.2e} at the native grid "
+                f"(the port's square tile: {im['port_square_tile_max_abs_dp']:g})", "the bar above", im["host_patches_equal"])
+        row("usage.input_tokens equal", f"{s['usage_equal']}/{s['checked']}", "all", s["usage_equal"] == s["checked"])
+        row("buckets used", ", ".join(f"{k}: {v}" for k, v in s["functions_used"].items()), "", True)
+        row("wall time", f"{s['seconds']['total']:.1f} s (reference {s['seconds']['reference']:.1f} s, asset "
+            f"{s['seconds']['shipped']:.1f} s)", "", True)
+        return out
+
+    def lines(self) -> list[str]:
+        t = self.transcript
+        out = [f"does not fit {e['id']} (line {e['line']}, {e['tokens']} tokens): {e['why']}" for e in t["does_not_fit"]]
+        if t["red"]:
+            out.append(f"red arm: {t['red']} (the shipped path perturbed; this run must fail)")
+        return out
+
+    def headline(self) -> str:
+        s = self.transcript["summary"]
+        return f"{plural(s['checked'], 'request')}, {plural(s['questions'], 'question')}"
+
+
+def _check_kinds(bundle: Path, backbone: Path | None, vision: Path | None = None) -> None:
+    from ..gate import kind_of
+
+    as_option = {"head": "--bundle", "backbone": "--backbone", "vision": "--vision"}
+    for path, want in ((bundle, "head"), (backbone, "backbone"), (vision, "vision")):
+        if path is None:
+            continue
+        got = kind_of(Path(path)).MODEL
+        if got != want:
+            raise UsageError(f"{path}: this is a {got} bundle: pass it as {as_option[got]}, and the {want} bundle as "
+                             f"{as_option[want]}")
+
+
+@dataclass
+class _Shipped:
+    """The bundles a check runs, opened and checked against the release, and the bar they set."""
+
+    manifest: Any
+    fmt: Any
+    asset: Path
+    checks: list[tuple[str, bool, str]]
+    module: Any
+    config: Any
+    state: Any
+    bar: float
+    bar_reason: str
+    mean_bar: float | None = None
+    backbone: Any = None
+    vision: Any = None
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(b for _, b in self.manifest.head.buckets)
+
+    @property
+    def names(self) -> dict[int, str]:
+        return {b: name for name, b in self.manifest.head.buckets}
+
+    @property
+    def pads(self) -> tuple[int, int]:
+        from ..manifest import pads
+
+        return pads(self.manifest.head)
+
+
+def _check_options(cfg: CheckConfig, release: Path, bundle: Path) -> None:
+    """Every option, and which bundle is which, refused before any work."""
+    if cfg.red is not None and cfg.red not in RED_ARMS:
+        raise UsageError(f"--red must be one of {', '.join(RED_ARMS)}, got {cfg.red!r}")
+    if cfg.dtype not in BARS:
+        raise UsageError(f"--dtype must be one of {', '.join(BARS)}, got {cfg.dtype!r}")
+    if cfg.red == "state" and cfg.backbone is None:
+        raise UsageError("--red state perturbs the backbone's host loop: it needs --backbone")
+    if cfg.red == "image" and (cfg.backbone is None or cfg.vision is None):
+        raise UsageError("--red image zeroes the image's rows in the backbone's inputs: it needs --backbone and --vision")
+    if cfg.vision is not None and cfg.backbone is None:
+        raise UsageError("--vision feeds the tower's rows to the backbone asset: it needs --backbone")
+    if not release.is_dir():
+        raise UsageError(f"{release}: release folder not found")
+    _check_kinds(bundle, cfg.backbone, cfg.vision)  # a bundle passed in another's place: said at once, by name
+
+
+def _open_shipped(cfg: CheckConfig, release: Path, bundle: Path) -> _Shipped:
+    """The head bundle, then each part's bundle given, against the release; the widest bar."""
+    from ..gate.artifact import check_bundle
+
+    manifest, fmt, asset, checks = check_bundle(bundle)
+    bad = [f"{n}: {d}" for n, ok, d in checks if not ok]
+    if bad:
+        raise IntegrityError(f"{bundle}: {bad[0]}")
+    why_not = fmt.cannot_run()
+    if why_not:
+        raise ToolchainError(f"{bundle}: cannot run its {fmt.FORMAT} asset on this machine ({why_not})")
+    module, config, state = head_part.release_module(release, manifest)
+    bar, bar_reason = BARS[cfg.dtype]
+    side = _Shipped(manifest, fmt, asset, checks, module, config, state, bar, bar_reason)
+    hashed: dict[str, str] = {}  # release file -> sha256, taken once for the backbone and the tower
+    if cfg.backbone is not None:
+        side.backbone = backbone_part.open_part(cfg.backbone, release, config.hidden_size, hashed)
+        checks.extend(side.backbone.checks)
+        side.bar, side.bar_reason, side.mean_bar = backbone_part.bar(side.backbone, bar, bar_reason)
+    if cfg.vision is not None:
+        side.vision = vision_part.open_part(cfg.vision, release, config.hidden_size, hashed)
+        checks.extend(side.vision.checks)
+    return side
+
+
+def _fit(req, entry: dict[str, Any], encoded, side: _Shipped, prepared: dict[int, Any], index: int) -> int | None:
+    """The bucket a request runs in, its image prepared; None (the reason in ``entry``) when it does not fit."""
+    from ..head.host import HostInputError, check_fits
+
+    q_pad, o_pad = side.pads
+    try:
+        bucket = check_fits(len(encoded.input_ids), encoded.questions, q_pad=q_pad, o_pad=o_pad, buckets=side.buckets)
+        if req.images and side.vision is not None:
+            prepared[index] = vision_part.fit(req, entry, side.vision, side.backbone)
+        too_long = side.backbone.does_not_fit(entry["tokens"]) if side.backbone is not None else None
+        if too_long:
+            raise HostInputError(too_long)
+    except HostInputError as exc:
+        entry["does_not_fit"] = str(exc)
+        return None
+    return bucket
+
+
+def _reference_pass(cfg: CheckConfig, requests, ref_model, side: _Shipped):
+    """The reference side, request by request: (entries, [(entry index, Seen, the questions the host
+    reads, bucket)], entry index -> the host's prepared image)."""
+    from ..progress import progress
+
+    entries: list[dict[str, Any]] = []
+    seen_by: list[tuple[int, Any, Any, int]] = []
+    prepared: dict[int, Any] = {}
+    with progress("reference: the author's systemone", len(requests), "requests") as tick:
+        for req in requests:
+            tick()
+            i = len(entries)
+            entry: dict[str, Any] = {"id": req.id, "line": req.line, "questions": len(req.body["questions"])}
+            entries.append(entry)
+            if req.images:
+                entry["image"] = {"file": str(req.images[0])}
+                why = vision_part.image_not_run(ref_model, side.backbone, side.vision)
+                if why:
+                    entry["tokens"], entry["options"], entry["does_not_fit"] = 0, 0, why
+                    continue
+            encoded = ref_model.encode(req.body)
+            entry["tokens"] = len(encoded.input_ids)
+            entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
+            bucket = _fit(req, entry, encoded, side, prepared, i)
+            if bucket is None:
+                continue
+            entry["function"] = side.names[bucket]
+            response, seen = ref_model.answer(req.body)
+            if tuple(seen.ids.tolist()) != tuple(encoded.input_ids):
+                raise RuntimeError(f"request {req.id}: systemone encoded other tokens than encode_record")
+            entry["reference"] = response
+            if i in prepared:
+                vision_part.record(entry, prepared[i], seen, ref_model, req.body)
+            questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
+            if cfg.red == "spans":
+                questions = head_part.shift_spans(questions, len(seen.ids))
+            seen_by.append((i, seen, questions, bucket))
+    return entries, seen_by, prepared
+
+
+def _hidden_rows(cfg: CheckConfig, side: _Shipped, ref_model, seen_by, prepared, entries) -> tuple[list[Any], float]:
+    """The hidden rows the head reads: the reference's, or the backbone asset's on the same token ids
+    (an image's rows from the tower asset); and the tower's seconds."""
+    spans, vision_seconds = [None] * len(seen_by), 0.0
+    if prepared:
+        spans, vision_seconds = vision_part.image_spans(side.vision, ref_model, seen_by, prepared, entries)
+    if side.backbone is None:
+        return [seen.hidden for _, seen, _, _ in seen_by], vision_seconds
+    return backbone_part.hidden_rows(side.backbone, cfg.red, seen_by, spans, entries), vision_seconds
+
+
+def _summary(side: _Shipped, entries, t, seconds: dict[str, float]) -> dict[str, Any]:
+    """The transcript's summary, each part its own section; the failures that only the whole run shows
+    are added to ``t``."""
+    fitted = [e for e in entries if "function" in e]
+    if not fitted:
+        t.failures.append("no request fits the bundle: nothing was compared")
+    if side.mean_bar is not None and t.mean_dp > side.mean_bar:
+        t.failures.append(f"mean |d p| {t.mean_dp:.3g} over {t.dp_count} probabilities > {side.mean_bar:g}")
+    with_image = [e for e in fitted if "image" in e]
+    t.failures.extend(vision_part.failures(with_image))
+    return {**head_part.summary(side.manifest, entries, t, side.bar, side.mean_bar),
+            "backbone": backbone_part.summary(side.backbone, entries, seconds["backbone"]),
+            "images": vision_part.summary(side.vision, with_image, seconds["vision"]),
+            "functions_used": head_part.functions_used(side.manifest, fitted),
+            "seconds": {k: seconds[k] for k in ("reference", "backbone", "shipped", "total")}}
+
+
+def _transcript(cfg: CheckConfig, side: _Shipped, entries, t, table_info, summary) -> dict[str, Any]:
+    from ..provenance import tool_versions
+
+    manifest = side.manifest
+    return {
+        "command": "check-release", "release": str(Path(cfg.release)), "bundle": str(Path(cfg.bundle)),
+        "format": side.fmt.FORMAT, "asset_sha256": side.fmt.asset_digest(manifest),
+        "source": {"hf_id": manifest.head.source.hf_id, "revision": manifest.head.source.revision},
+        "requests_file": str(cfg.requests or default_requests()), "device": cfg.device, "dtype": cfg.dtype, "red": cfg.red,
+        "bar": {"max_abs_dp": side.bar, "mean_abs_dp": side.mean_bar, "reason": side.bar_reason},
+        "outcomes": head_part.OUTCOMES,
+        "table": table_info, "summary": summary,
+        "does_not_fit": [{"id": e["id"], "line": e["line"], "tokens": e["tokens"], "why": e["does_not_fit"]}
+                         for e in entries if "does_not_fit" in e],
+        "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in side.checks],
+        "failures": t.failures, "requests": entries,
+        "versions": tool_versions(extra=("transformers", "accelerate", "tokenizers")),
+    }
+
+
+def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
+    """Every request through the author's model and through the shipped path; see the module."""
+    from ..head.host import head_inputs
+    from ..sources.reference import Reference, import_reference
+
+    t_start = time.perf_counter()
+    release, bundle = Path(cfg.release), Path(cfg.bundle)
+    _check_options(cfg, release, bundle)
+    requests = load_requests(cfg.requests or default_requests(), images=True)
+    import_reference()
+    side = _open_shipped(cfg, release, bundle)
+    q_pad, o_pad = side.pads
+    seconds: dict[str, float] = {}
+    with tempfile.TemporaryDirectory(prefix="clef-check-") as tmp:
+        table, table_info = head_part.table(cfg.table, release, Path(tmp), side.config.hidden_size, log)
+        ref_model = Reference(release, side.module, side.config, side.state, device=cfg.device, dtype=cfg.dtype, log=log)
+        shipped_table = head_part.NextRowTable(table) if cfg.red == "lexical" else table
+        t0 = time.perf_counter()
+        entries, seen_by, prepared = _reference_pass(cfg, requests, ref_model, side)
+        seconds["reference"] = time.perf_counter() - t0
+        log(f"reference: {plural(len(seen_by), 'request')} answered in {seconds['reference']:.1f} s; "
+            f"{len(entries) - len(seen_by)} do not fit")
+        t0 = time.perf_counter()
+        hiddens, seconds["vision"] = _hidden_rows(cfg, side, ref_model, seen_by, prepared, entries)
+        seconds["backbone"] = time.perf_counter() - t0
+        jobs = [(i, head_inputs(hidden, seen.ids, questions, shipped_table, bucket, q_pad=q_pad, o_pad=o_pad,
+                                buckets=side.buckets), seen)
+                for (i, seen, questions, bucket), hidden in zip(seen_by, hiddens, strict=True)]
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            calls = [(side.names[hi.bucket], hi) for _, hi, _ in jobs]
+            logits = run_async(lambda: head_part.run_all(side.fmt.runner, side.asset, calls))
+        seconds["shipped"] = time.perf_counter() - t0
+    tally = head_part.compare_all(requests, entries, jobs, logits, side.bar)
+    side.checks.append(("release head = bundle's source", True, f"{side.manifest.head.source.hf_id}"))
+    side.checks.append(("lexical table", True, f"{table_info['table']} ({table_info['source_file']})"))
+    seconds["total"] = time.perf_counter() - t_start
+    summary = _summary(side, entries, tally, seconds)
+    transcript = _transcript(cfg, side, entries, tally, table_info, summary)
+    return CheckReport(bundle=bundle, checks=side.checks, transcript=transcript, comparison_failures=tally.failures)
