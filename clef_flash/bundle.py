@@ -99,7 +99,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(final: Path) -> list[Path]:
+def remove_stale(final: Path) -> list[Path]:
     """Remove temp / old siblings of ``final`` left by a run that no longer exists."""
     removed = []
     parent = final.parent
@@ -217,7 +217,7 @@ def output_lock(final: Path) -> Iterator[None]:
 def staged_dir(final: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temp sibling folder; on success it replaces ``final`` in one step, else vanishes."""
     final = Path(final)
-    sweep_stale(final)
+    remove_stale(final)
     tmp = final.with_name(f".{final.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir(parents=True)
     try:
@@ -258,7 +258,7 @@ def staged_files(folder: Path, names: tuple[str, ...], overwrite: bool) -> Itera
         return
     for name in names:
         check_output_path(folder / name, overwrite)
-    sweep_stale(folder / names[0])
+    remove_stale(folder / names[0])
     tmp = folder / f".{names[0]}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:

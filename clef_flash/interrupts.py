@@ -1,20 +1,6 @@
 """Ctrl-C and SIGTERM, the same at any moment of any command: exit 130, one line, nothing landed.
 
-Two hazards make the default ``KeyboardInterrupt`` unsafe here. The Core AI runtime runs calls on
-its own threads and answers through the asyncio loop: an exception that stops the loop while a call
-is in flight leaves the runtime calling back into a closed loop, and the process dies natively
-(SIGILL / SIGABRT). And an exception raised inside a ``__del__`` or a callback is printed and
-dropped, so a build could go on and land.
-
-So every signal sets a flag (``interrupted``) that the landing steps check (``check_interrupted``
-before each rename: nothing lands once it is set), and outside runtime work it also raises
-``Interrupt`` at once: a ``BaseException`` like ``KeyboardInterrupt`` (no ``except Exception``
-swallows it, every ``finally`` and cleanup runs), but not one, so click does not turn it into
-"Aborted!" and exit 1 where a command is not inside the CLI's ``_run``. Inside ``run_async``
-(runtime work) the signal only sets the flag: each new runtime call is refused (``Interrupted``,
-raised by ``refuse_if_interrupted`` where calls start), the calls in flight finish, the loop closes
-cleanly, and then ``Interrupt`` is raised.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

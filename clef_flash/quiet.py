@@ -1,12 +1,6 @@
 """The Core AI runtime's own lines (``ODIE [default]: Loading function 't512'``) kept off the terminal.
 
-They come from native code writing to file descriptor 2, so redirecting ``sys.stderr`` cannot
-catch them: ``native_stderr()`` points fd 2 at a temporary file around the runtime's loads and
-calls, while Python's own ``sys.stderr`` (our progress lines) keeps writing to the terminal through
-a duplicate of the original descriptor. What was captured is kept (``captured()``) and, when the
-block raises, written out after the error's context (it may explain the failure). With
-``--verbose`` (``set_verbose``) nothing is captured.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

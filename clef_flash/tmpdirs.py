@@ -28,7 +28,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep(parent: Path) -> list[Path]:
+def remove_orphans(parent: Path) -> list[Path]:
     """Remove the folders of processes that are gone; returns what was removed."""
     gone = []
     for p in Path(parent).glob(PREFIX + "*"):
@@ -46,7 +46,7 @@ def owned_folder(parent: Path | None = None, label: str = "") -> Path:
     """A new folder of this process's own in ``parent`` (the system's temp folder by default), the
     folders of processes that are gone swept first; the caller removes it."""
     parent = Path(parent) if parent is not None else Path(tempfile.gettempdir())
-    sweep(parent)
+    remove_orphans(parent)
     return Path(tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-{label + '-' if label else ''}", dir=parent))
 
 

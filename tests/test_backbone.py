@@ -440,26 +440,26 @@ def test_bytecode_descriptor_is_the_runtimes(built, tmp_path):
                 assert spec["dtype"] in got["dtype"].replace("float", "fp"), (name, got)
 
 
-def test_the_release_side_started_early_gives_what_compare_computes(built, releases, tmp_path):
-    """``ReleaseSide`` (the build starts it beside the export, at a lower priority) gives each tensor's
+def test_the_expected_digests_started_early_gives_what_compare_computes(built, releases, tmp_path):
+    """``ExpectedDigests`` (the build starts it beside the export, at a lower priority) gives each tensor's
     digests as ``expected`` does; compare takes it; one started for another recipe is not used; a
     stopped one or one whose release breaks does not pass for a result."""
     import shutil
 
-    from clef_flash.engine.asset_readback import ReleaseSide, compare, expected
+    from clef_flash.engine.asset_readback import ExpectedDigests, compare, expected
     from clef_flash.errors import IntegrityError
 
     infos = _infos(releases["tiny"])
-    side = ReleaseSide(releases["tiny"], infos, True).start(background=True)
+    side = ExpectedDigests(releases["tiny"], infos, True).start(background=True)
     got = side.result()
     assert got == [expected(releases["tiny"], t, True) for t in side.big] and len(got) == sum(len(t.shape) >= 2 for t in infos.values())
     # read past the page cache (beside a compressed export): the same digests
-    assert ReleaseSide(releases["tiny"], infos, True, direct=True).start(background=True).result() == got
+    assert ExpectedDigests(releases["tiny"], infos, True, direct=True).start(background=True).result() == got
     mlirb = next(built["tiny32"].glob("*.aimodel")) / "main.mlirb"
-    for early in (ReleaseSide(releases["tiny"], infos, True).start(background=True), ReleaseSide(releases["tiny"], infos, False)):
+    for early in (ExpectedDigests(releases["tiny"], infos, True).start(background=True), ExpectedDigests(releases["tiny"], infos, False)):
         r = compare(mlirb, releases["tiny"], infos, scaled=True, release=early)  # the unscaled one is replaced
         assert r.ok and len(r.matched) == r.tensors
-    stopped = ReleaseSide(releases["tiny"], infos, True)
+    stopped = ExpectedDigests(releases["tiny"], infos, True)
     stopped.stop()
     with pytest.raises(IntegrityError, match="stopped"):
         stopped.result()
@@ -469,7 +469,7 @@ def test_the_release_side_started_early_gives_what_compare_computes(built, relea
     shard.write_bytes(shard.read_bytes()[: side.big[-1].offset + 10])
     for direct in (False, True):
         with pytest.raises(IntegrityError, match="ends inside"):
-            ReleaseSide(broken, infos, True, direct=direct).start(background=True).result()
+            ExpectedDigests(broken, infos, True, direct=direct).start(background=True).result()
 
 
 def test_one_read_gives_the_files_and_every_blobs_sha256(built, tmp_path, monkeypatch):

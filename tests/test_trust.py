@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from clef_flash.sources.author import AUTHOR_SHA256, build_head, load_author_module, load_config, load_head, load_state
-from clef_flash.bundle import output_lock, staged_dir, sweep_stale
+from clef_flash.bundle import output_lock, staged_dir, remove_stale
 from clef_flash.digest import sha256_file, tree_hash
 from clef_flash.errors import IntegrityError, UsageError
 from clef_flash.sources.pins import load_pins
@@ -164,10 +164,10 @@ def test_stale_temp_from_killed_run_is_swept(tmp_path):
     stale = tmp_path / ".bundle.tmp-999999-deadbeef"
     stale.mkdir()
     (stale / "partial").write_text("x")
-    assert sweep_stale(final) == [stale] and not stale.exists()
+    assert remove_stale(final) == [stale] and not stale.exists()
     live = tmp_path / f".bundle.tmp-{os.getpid()}-cafe"
     live.mkdir()
-    assert sweep_stale(final) == [] and live.exists()  # a live run's folder is left alone
+    assert remove_stale(final) == [] and live.exists()  # a live run's folder is left alone
 
 
 def test_concurrent_writer_gets_clear_error(tmp_path, tiny_source):

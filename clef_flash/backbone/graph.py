@@ -1,27 +1,6 @@
 """``DecoderChunk``: a Qwen3.5 text decoder over one prefill chunk of S tokens, its states explicit.
 
-torch only, no Core AI: the same module is traced for export and run eagerly in tests. It holds
-no ``nn.Parameter``: every weight is a tensor it is handed (``weights.load_weights``), so 2-D
-weights can be memory-mapped fp16 views of a scratch file and nothing is copied to build it.
-
-The published port unrolls the linear-attention recurrence token by token (64 steps, over a
-thousand graph nodes a layer); here it is the same recurrence in closed form over the chunk
-(``delta_rule_chunk``: batched matmuls and one blocked triangular inverse, no loop), so the
-trace, decompositions and converter, whose time scales with the nodes, run 3-4x faster.
-
-Compute precision: ``fp32`` reads every fp16 weight through a cast to fp32 and computes in fp32
-(provable on Linux to fp32 rounding); ``fp16`` computes matmuls in fp16 as Mac hosts run it, with
-norms, softmax and the linear-attention recurrence in fp32 (as transformers does for half models).
-
-Per chunk, with ``pos`` the last S entries of ``position_ids``:
-- full attention: RMSNorm'd q / k (1 + w), partial RoPE on the first ``rotary_dim`` dims of each
-  head (for text every M-RoPE axis carries the same position: plain RoPE), k / v written into the
-  caches at ``pos``, attention of each query over the cache slots ``<= its position``, the output
-  gated by ``sigmoid(gate)``;
-- Gated DeltaNet: the conv window is ``convState`` + the chunk (the state keeps the last K - 1
-  inputs), the gated delta rule over the chunk in closed form in fp32 from ``recState``
-  (``delta_rule_chunk``).
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -133,8 +112,8 @@ class DecoderChunk(torch.nn.Module):
             raise ValueError(f"weights lack {missing[0]}" + (f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""))
         # no copy of a memory-mapped tensor is made. Matrices are buffers (non-persistent): the trace
         # sees them as graph inputs, so an op on one (the fp32 cast) is recorded, not run; a plain
-        # tensor attribute is a constant, and export ran the cast on the real values (at 9B it read
-        # all 16 GB, 111 s of 201). 1-D tensors stay plain attributes: they fold into constants.
+        # tensor attribute is a constant, and export would run the cast on the real values (reading every
+        # weight; docs/performance.md). 1-D tensors stay plain attributes: they fold into constants.
         self.w = {n: t for n, t in weights.items() if t.dim() < 2}
         self._buffer = {}
         for i, name in enumerate(sorted(n for n, t in weights.items() if t.dim() >= 2)):

@@ -1,16 +1,7 @@
 """The gate's reference: transformers' own Qwen3.5 text model of a release in fp32, holding one
 decoder layer's weights at a time.
 
-``from_pretrained`` holds the whole model in fp32 (7.5 GB at a real-width 4-layer slice: the
-embedding alone is 4 GB, 31 GB for a 9B). Here the model is built on the meta device from the
-release's ``text_config``; a pre-hook on each decoder layer reads that layer's tensors from the
-shards (bf16 -> fp32, exact) and a post-hook drops them, so a forward holds one layer (about
-0.8 GB at 9B width) and the activations. The embedding is never built: the rows of the record's
-tokens are read from the shard (a mapping: page cache) and passed as ``inputs_embeds``, which
-transformers' forward takes in place of ``embed_tokens(input_ids)``. Everything else (rotary
-tables, masks, the layers' and the final norm's arithmetic) is transformers' forward as it is; a
-test holds the rows bit for bit equal to ``from_pretrained``'s on the tiny releases.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
 """How much each decoder layer's answers move when its linears are compressed, measured on the
 release's own weights, one layer in memory at a time (``reference.StreamedTextModel``).
 
-``layer_errors``: one forward of the uncompressed reference per calibration record; at each decoder
-layer a hook runs the same layer again on the same captured inputs with its linears replaced by
-their dequantized codes (the scheme's rule as the build computes it, ``dequantized_release``),
-and compares the two outputs (max |d| and rms relative to the layer output's largest |value|).
-The rest of the model sees only the uncompressed outputs: each number is that layer's own error.
-
-``rows_with``: the hidden rows with a chosen set of layers compressed (the end-to-end trials).
-Given the uncompressed pass's layer outputs (``LayerOutputs``, on disk), a trial runs from its first
-compressed layer on: the layers before it are the uncompressed pass's, bit for bit. Both compute
-in fp32 eager: the plan measures the quantization alone, not a runtime's arithmetic.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
 """The backbone side of ``check-release --backbone``: a backbone bundle proven to belong to the
 release, then every request's token ids through its asset by the host loop.
 
-1. the bundle's files against its manifest (``gate.check_files``), its runtime interface against
-   the manifest (``gate.descriptor_checks``);
-2. the release's files against the manifest's source digests (the bundle was built from this
-   release: config, index, every shard) and its tokenizer files against the bundle's
-   ``tokenizer/`` (the ids the author's tokenizer gives are the ids a host's tokenizer gives);
-3. ``hidden_rows``: zero states per record, ceil(T / S) calls, the last chunk padded: the rows the
-   head's ``head_inputs`` takes (``red="state"`` resets the states between chunks).
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -113,8 +106,8 @@ def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | N
 
         calls = sum(chunks_for(len(ids), lang.prefill_chunk) for ids in records)
         # records are independent (each its own zero states): two at a time, each record's chunks in
-        # order (tiny release: 47 -> 23 s, every answer bit-identical); two, not one per core, so a
-        # wide backbone holds at most two records' states and activations
+        # order, every answer the same; two, not one per core, so a wide backbone holds at most two
+        # records' states and activations
         slots = asyncio.Semaphore(max(1, min(2, os.cpu_count() or 1)))
         async with runner(bb.asset, shapes, dtype) as (call, new_states):
             with progress(f"backbone: {plural(len(records), 'record')}", calls, "calls") as tick:

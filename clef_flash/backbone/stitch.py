@@ -1,21 +1,6 @@
 """The decoder's exported program from one traced layer of each kind, copied for every layer.
 
-``torch.export`` runs the module's Python twice per node (its metadata pass and its graph pass), so
-the trace's time grows with the layers: 15 of the 9B build's seconds for 32 layers that are eight
-copies of the same four. The layers of one *group* (the same kind, the same compressed matrices,
-the same power-of-two exponents) trace to the same nodes but for three things: the buffers and
-1-D constants they read (their own weights), the state slot they read and write (an integer in
-``select`` / ``eq`` on the state tensor), and the residual stream and state versions they continue
-from. So the program is traced with one layer of each group (``DecoderChunk.only``), and each
-layer is a copy of its group's nodes with those three things swapped (``stitch``).
-
-What a layer's nodes are is what the trace tagged with its ``blocks.i`` module. Where the traced
-program is not of the shape this expects (a layer that reads anything else of another layer, a
-state written in another way), ``StitchError`` says so and the build traces every layer instead.
-The tests hold a stitched program to the full trace: the same ops (two independent reads of a
-state may come in the other order), bitwise the same outputs and state updates when run, and the
-tiny release's asset byte for byte.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

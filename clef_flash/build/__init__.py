@@ -1,13 +1,7 @@
 """The build stage: plan -> staged bundle -> the model's export (a worker process) -> manifest and
 build record -> the model's gate on the staged bundle -> rename into place.
 
-The model is picked once, from the recipe's ``model``, in ``MODELS``: each entry is a module with
-the same names (``MODEL``, ``refuse``, ``plan``, ``export``, ``export_job``, ``gate``, ``summary``).
-A third model is one module here and its registration. The plan checks everything that can be
-checked cheaply (options, pins, source hashes, output path, free space) before any heavy work; the
-bundle is built in a temporary sibling folder (``bundle.staged_dir``): it appears complete or not
-at all, and a failed gate lands nothing.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -20,11 +14,11 @@ from ..bundle import atomic_write_json, output_lock, staged_dir
 from ..errors import ClefError
 from ..layout import RECORD_FILE
 from . import backbone, head, vision
-from .config import BuildConfig, BuildResult, Plan, bundle_name
+from .config import BuildConfig, BuildResult, BuildPlan, bundle_name
 
 MODELS: dict[str, ModuleType] = {m.MODEL: m for m in (head, backbone, vision)}
 
-__all__ = ["MODELS", "BuildConfig", "BuildResult", "Plan", "build", "bundle_name", "plan", "steps"]
+__all__ = ["MODELS", "BuildConfig", "BuildResult", "BuildPlan", "build", "bundle_name", "plan", "steps"]
 
 
 @contextlib.contextmanager
@@ -45,7 +39,7 @@ def steps(recipe) -> ModuleType:
     return MODELS[recipe.model]
 
 
-def plan(cfg: BuildConfig, log=lambda msg: None) -> Plan:
+def plan(cfg: BuildConfig, log=lambda msg: None) -> BuildPlan:
     """Everything checked that can be checked before the work: what ``--dry-run`` shows."""
     s = steps(cfg.recipe)
     s.refuse(cfg)

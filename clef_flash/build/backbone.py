@@ -1,12 +1,7 @@
 """``build`` of a backbone recipe: plan -> staged bundle -> export worker -> tokenizer -> manifest
 -> build record -> gate -> rename into place.
 
-The plan checks everything cheap first: the pins, every file the build reads against them (the
-config, every shard, the tokenizer files: a file the build would read and the pins do not name is
-refused), the configuration, the tensors' shapes (headers only), the output path and the free
-space for ``main.mlirb`` and the numeric gate's compiled copy (``disk_need``). The bundle is
-built in a temporary sibling folder, so it lands whole or not at all.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -38,7 +33,7 @@ from ..engine.streamed_weights import TensorInfo, asset_bytes, locate, scratch_b
 from ..gate.backbone import BackboneVerifyConfig, tolerances, verify_backbone
 from ..sources.safetensors import shard_files
 
-from .config import BuildConfig, Made, Plan, refuse_head_options, resolve_output
+from .config import BuildConfig, Made, BuildPlan, refuse_head_options, resolve_output
 from .core_ai import asset_outputs, export_seconds, made
 from .process import run_export, run_export_hashing
 from ..progress import plural
@@ -66,9 +61,9 @@ class Found:
 @dataclass(frozen=True)
 class Handoff:
     """What the export hands its gate: the release side of the weight comparison, started beside the
-    export (``asset_readback.ReleaseSide``), and the digests the streamed save took (``mlirb.Written``)."""
+    export (``asset_readback.ExpectedDigests``), and the digests the streamed save took (``mlirb.Written``)."""
 
-    release_side: Any = None
+    expected_digests: Any = None
     written: Written | None = None
 
 
@@ -92,7 +87,7 @@ def refuse(cfg: BuildConfig) -> None:
                         "its fixed record lengths (1, S - 1, S, S + 1, three chunks, near the context)")
 
 
-def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
+def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> BuildPlan:
     """Everything checked before work. ``defer``: the shards are checked to be pinned and present
     here, and hashed while the export runs (listed in "deferred": ``BackgroundHashes``, or for a
     compressed build the read that makes its codes, ``engine.shard_reads``); a dry run hashes them here."""
@@ -136,7 +131,7 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
                      "implied_weight_bytes": None if auto else implied, "experimental": recipe.experimental,
                      "plan": f"chosen at build time by plan-weights (budget max |dp| {recipe.plan_budget_dp:g}), "
                              f"shipped as {PLAN_FILE}" if auto else plan_ref.model_dump() if plan_ref else None})
-    return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
+    return BuildPlan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
                 found=Found(text=text, chunking=chunking, infos=infos, scheme=scheme, compressed=compressed,
                             fp16_layers=fp16_layers, plan_ref=plan_ref, implied=implied, auto=auto))
 
@@ -154,7 +149,7 @@ def check_planner_inputs(cfg: BuildConfig, source: Path, pins) -> None:
     check_author_trusted(source / CODE_FILE, pins.files[CODE_FILE], pins.trusted_author_sha256)
 
 
-def choose_layers(p: Plan, tmp: Path, log=lambda m: None) -> None:
+def choose_layers(p: BuildPlan, tmp: Path, log=lambda m: None) -> None:
     """``fp16_layers = "auto"``: ``plan-weights`` on the release (in the worker: its memory goes back to
     the OS before the export starts), written into the staged bundle as ``weight-plan.json``; the
     layers it keeps fp16 become the plan's. A plan that did not meet its budget is a failed build."""
@@ -211,7 +206,7 @@ def resolve_fp16_layers(cfg: BuildConfig, text: TextConfig, digests: dict[str, s
     return tuple(sorted(set(recipe.fp16_layers))), None
 
 
-def compression_section(p: Plan, mlirb_bytes: int) -> Compression | None:
+def compression_section(p: BuildPlan, mlirb_bytes: int) -> Compression | None:
     """The manifest's account of what was compressed, per decoder layer, and what stayed fp16."""
     from ..engine.quantize import SCALE_FLOOR
     from ..backbone.contract import layer_of
@@ -265,7 +260,7 @@ def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:
     )
 
 
-def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
+def export(p: BuildPlan, tmp: Path, log=lambda m: None) -> Made:
     """The worker's export into ``tmp`` (the shards hashed beside it), the tokenizer files, the
     manifest and the build record."""
     recipe, pins, source = p.cfg.recipe, p.pins, p.source
@@ -282,18 +277,18 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
            "description": {**asset_description(pins), "description": f"Qwen3.5 text decoder of {pins.label}, "
                            f"prefill chunk {recipe.chunk}, weights {recipe.weights}, compute {recipe.compute}"}}
     # the gate's release side (every tensor's expected digests) beside the export: the trace is one
-    # core of Python, and this reads only the release; the gate joins it (asset_readback.ReleaseSide)
+    # core of Python, and this reads only the release; the gate joins it (asset_readback.ExpectedDigests)
     side = None
     if p.cfg.verify and recipe.verify.enabled:  # the gate will run (build.build's test)
-        from ..engine.asset_readback import ReleaseSide
+        from ..engine.asset_readback import ExpectedDigests
 
-        # a compressed export reads the release past the page cache (``sweep``): so does its gate's side
-        side = ReleaseSide(source, f.infos, recipe.compute == "fp32", scheme, f.compressed,
+        # a compressed export reads the release past the page cache (``shard_reads``): so does its gate's side
+        side = ExpectedDigests(source, f.infos, recipe.compute == "fp32", scheme, f.compressed,
                            direct=bool(scheme and f.compressed)).start(background=True)
-    p.handoff = Handoff(release_side=side)
+    p.handoff = Handoff(expected_digests=side)
     try:
         timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
-        p.handoff = Handoff(release_side=side, written=Written.from_json(timings["written"]))
+        p.handoff = Handoff(expected_digests=side, written=Written.from_json(timings["written"]))
         return _finish(p, tmp, asset_dir, timings)
     except BaseException:
         if side is not None:
@@ -301,7 +296,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
         raise
 
 
-def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
+def _finish(p: BuildPlan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
     recipe, pins, source = p.cfg.recipe, p.pins, p.source
     text, chunking = p.found.text, p.found.chunking
     tok_dir = tmp / TOKENIZER_DIR
@@ -343,20 +338,20 @@ def _finish(p: Plan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
                  "scaled_tensors": int(timings.get("scaled_tensors", 0))}, seconds)
 
 
-def gate(p: Plan, tmp: Path, log=lambda m: None):
+def gate(p: BuildPlan, tmp: Path, log=lambda m: None):
     """The backbone's gate on the staged bundle (its compiled copy on the output's disk), with what
     the plan found: the digests it and the export checked, the configuration, the located tensors
     (nothing read or hashed again)."""
     recipe = p.cfg.recipe
     handoff = p.handoff or Handoff()
-    side = handoff.release_side
+    side = handoff.expected_digests
     log("verifying the saved backbone against transformers' text model")
     try:
         return verify_backbone(BackboneVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path,
                                                     seed=recipe.verify.seed, long_record=recipe.long_record,
                                                     numeric_max_parameters=recipe.verify.numeric_max_parameters,
                                                     scratch=tmp, pins=p.pins, checked=p.files, text=p.found.text,
-                                                    located=p.found.infos, release_side=side,
+                                                    located=p.found.infos, expected_digests=side,
                                                     written=handoff.written), log=log)
     finally:
         if side is not None:

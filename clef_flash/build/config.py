@@ -1,4 +1,4 @@
-"""What a build is asked (``BuildConfig``), what its plan found (``Plan``: pins loaded once, the
+"""What a build is asked (``BuildConfig``), what its plan found (``BuildPlan``: pins loaded once, the
 resolved source, the checked digests, the model's own findings, typed by the model), and what it made (``BuildResult``).
 The plan is made once and handed to the export, the manifest and the gate: nothing is re-derived."""
 
@@ -31,7 +31,7 @@ class BuildConfig:
 
 
 @dataclass
-class Plan:
+class BuildPlan:
     cfg: BuildConfig
     pins: Any  # sources.pins.Pins
     source: Path

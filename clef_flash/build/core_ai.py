@@ -13,7 +13,7 @@ from ..bundle import atomic_write_json
 from ..digest import sha256_file, tree_files
 from ..layout import MANIFEST_FILE
 from ..provenance import build_record
-from .config import Made, Plan
+from .config import Made, BuildPlan
 
 STAGES = ("weights", "trace", "convert", "save")
 
@@ -30,7 +30,7 @@ def export_seconds(timings: dict[str, Any]) -> dict[str, float]:
     return seconds
 
 
-def made(p: Plan, tmp: Path, manifest: BaseModel, outputs: dict[str, str], hidden_size: int,
+def made(p: BuildPlan, tmp: Path, manifest: BaseModel, outputs: dict[str, str], hidden_size: int,
          record: dict[str, Any], seconds: dict[str, float]) -> Made:
     """The manifest and the build record written into the staged bundle ``tmp``."""
     atomic_write_json(tmp / MANIFEST_FILE, manifest.model_dump(mode="json"))

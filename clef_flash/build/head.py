@@ -18,7 +18,7 @@ from ..head.manifest import common_fields
 from ..provenance import build_date, build_record
 from ..sources.author import check_author_trusted
 from ..sources.pins import CODE_FILE, WEIGHTS_FILE, load_pins
-from .config import BuildConfig, Made, Plan, resolve_output
+from .config import BuildConfig, Made, BuildPlan, resolve_output
 from .process import run_export
 
 MODEL = "head"
@@ -40,7 +40,7 @@ def refuse(cfg: BuildConfig) -> None:
                          f"{cfg.recipe.format}")
 
 
-def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
+def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> BuildPlan:
     """What a build would do; checks everything that can be checked without heavy work."""
     from ..sources.fetch import require_verified
 
@@ -55,10 +55,10 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
             "bundle": str(final), "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision,
             "synthetic": pins.synthetic, "files": files,
             "functions": [contract.function_name(b) for b in recipe.buckets], "weights": recipe.weights}
-    return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=files, info=info)
+    return BuildPlan(cfg=cfg, pins=pins, source=source, bundle=final, files=files, info=info)
 
 
-def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
+def export(p: BuildPlan, tmp: Path, log=lambda m: None) -> Made:
     """The worker's export into ``tmp``, then the manifest and the build record."""
     recipe, pins = p.cfg.recipe, p.pins
     fmt = backend(recipe.format)
@@ -81,7 +81,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
                 seconds={"load": timings["build"], "convert": timings["export"], "save": timings["save"]})
 
 
-def gate(p: Plan, tmp: Path, log=lambda m: None):
+def gate(p: BuildPlan, tmp: Path, log=lambda m: None):
     """The head's gate on the staged bundle, with the digests the plan checked (not hashed again)."""
     recipe = p.cfg.recipe
     log("verifying the saved asset against the author's head")

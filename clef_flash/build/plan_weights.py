@@ -1,23 +1,7 @@
 """``plan-weights``: which decoder layers a compressed backbone keeps fp16, chosen for the release's
 own weights (``backbone.plan.WeightPlan``, a file a recipe names with ``plan = "..."``).
 
-1. the release's files against the pins (config, shards, tokenizer, the head: the author's code
-   runs only after its hash matched), the recipe a compressed backbone one;
-2. calibration records: the requests (``conversion/requests.jsonl`` by default) encoded by the
-   author's ``encode_record`` with the release's tokenizer;
-3. each layer's sensitivity: its own output error with its linears compressed vs fp16 on the same
-   captured inputs (``backbone.sensitivity.layer_errors``), and its end-to-end effect, that layer
-   alone compressed (max |dp|); ranked by the latter, most sensitive first. The local error alone
-   misranks: on the tiny release it put the last layer least sensitive (2.3e-3 against 3.7e-2 to
-   5.7e-2) while that layer moves the answers most (the head reads its rows directly), and the
-   plan it chose was not minimal;
-4. end-to-end trials: the hidden rows with every layer outside the ranking's first k compressed,
-   through the release's head (the author's ``JointSchemaHead`` in fp32), against the uncompressed
-   rows through the same head: max |dp| over every option. The smallest k whose trial meets the
-   budget is found by bisection (k = 0 first: nothing kept fp16); then the proof trial, the chosen
-   set less its most sensitive layer, which must fail;
-5. the plan written atomically (per-layer errors, every trial, the chosen set, the bytes).
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """``build`` of a vision recipe: plan -> staged bundle -> export worker -> manifest -> build record
 -> gate -> rename into place.
 
-The plan checks everything cheap first: the pins, every file the build reads against them
-(``config.json``, ``preprocessor_config.json``, the shards), the tower's configuration, the
-preprocessing against the tower (patch, merge, frames), the tensors' shapes (headers only), the
-output path and the free space. A fine-tune usually keeps its base's tower: the bytes are proven,
-never assumed (the shards' sha256 against the pins, every weight blob against the release).
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -31,7 +26,7 @@ from ..vision.manifest import (HOST_CALL, METADATA_VERSION, PREPROCESS_RULE, Fun
                                VisionInterface, VisionManifest)
 from ..gate.vision import VisionVerifyConfig, tolerances, verify_vision
 
-from .config import BuildConfig, Made, Plan, refuse_head_options, resolve_output
+from .config import BuildConfig, Made, BuildPlan, refuse_head_options, resolve_output
 from .core_ai import asset_outputs, export_seconds, made
 from .process import run_export_hashing
 
@@ -67,7 +62,7 @@ def refuse(cfg: BuildConfig) -> None:
     refuse_head_options(cfg, "a vision tower", "a vision bundle", "one seeded image of a non-square aspect per bucket")
 
 
-def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
+def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> BuildPlan:
     recipe = cfg.recipe
     pins, final, source = resolve_output(cfg)
     if not source.is_dir():
@@ -94,7 +89,7 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> Plan:
             "buckets": list(recipe.buckets), "cap_tokens": recipe.cap, "weights": recipe.weights,
             "compute": recipe.compute, "parameters": parameters, "weight_fp16_bytes": fp16,
             "vision_config": vcfg.as_dict(), "preprocess": pre.as_dict()}
-    return Plan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
+    return BuildPlan(cfg=cfg, pins=pins, source=source, bundle=final, files=digests, info=info, deferred=later,
                 found=Found(vision=vcfg, preprocess=pre, infos=infos, parameters=parameters))
 
 
@@ -108,7 +103,7 @@ def interface(vcfg: VisionConfig, buckets: tuple[int, ...], compute: str) -> Vis
                            host_call=HOST_CALL)
 
 
-def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
+def export(p: BuildPlan, tmp: Path, log=lambda m: None) -> Made:
     recipe, pins, source = p.cfg.recipe, p.pins, p.source
     vcfg, pre = p.found.vision, p.found.preprocess
     asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
@@ -138,7 +133,7 @@ def export(p: Plan, tmp: Path, log=lambda m: None) -> Made:
                  "scaled_tensors": int(timings.get("scaled_tensors", 0))}, seconds)
 
 
-def gate(p: Plan, tmp: Path, log=lambda m: None):
+def gate(p: BuildPlan, tmp: Path, log=lambda m: None):
     recipe = p.cfg.recipe
     log("verifying the saved vision tower against transformers' Qwen3_5VisionModel")
     return verify_vision(VisionVerifyConfig(bundle=tmp, source=p.source, pins_path=p.cfg.pins_path, seed=recipe.verify.seed,

@@ -1,33 +1,6 @@
 """``check-release``: the shipped head answers real requests like the author's model.
 
-1. the bundle against its manifest, the release's head files against the manifest's source
-   hashes (the head the bundle was built from), the author's file known or trusted;
-2. the requests (JSONL of SystemOne request bodies; ``conversion/requests.jsonl`` by default),
-   each checked and encoded with the author's ``encode_record``; what does not fit the bundle's
-   buckets and pads is listed with the reason, never cut and never silently skipped;
-3. the reference: the author's ``systemone`` on the release's own backbone and head
-   (``reference.Reference``), its head's inputs and outputs recorded;
-4. the shipped path on the same hidden rows: ``host.head_inputs`` with the exported lm_head table
-   (``--table``, or built from the release into a temporary folder), the bundle's function for the
-   record's bucket run by the Core AI runtime, ``host.question_probs`` and ``host.answers``;
-5. per question, the answers field by field and the probabilities before rounding; a checklist,
-   a transcript, and ``NumericError`` (exit 4) on any disagreement.
-
-With ``--backbone`` (a backbone bundle of the same release, ``backbone.shipped``) step 4 starts one
-stage earlier: the token ids the release's tokenizer gave go through the backbone asset chunk by
-chunk with its states, and the head asset reads those hidden rows instead of the reference's: the
-whole model a Mac host runs. The bar is then the backbone's (``check.backbone.BACKBONE_BARS``) when wider.
-
-With ``--vision`` too (a vision bundle of the same release, ``vision.shipped``), a request's image
-goes the way a Mac host sends it: the file through the host's preprocessing (numpy + Pillow; held
-bit for bit to the pixels the author's processor gave), the tower asset at the image's native grid
-(the bucket that holds it; over the cap it does not fit), its rows into the backbone asset's image
-inputs at the image's tokens, then the head asset. Without ``--backbone`` an image request runs the
-head on the reference's rows, as text requests do.
-
-A red arm (``--red spans``, ``lexical``, ``state`` with ``--backbone``, ``image`` with ``--vision``)
-perturbs the shipped path only; it must fail.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

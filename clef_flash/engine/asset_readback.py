@@ -1,30 +1,7 @@
 """Every weight in a saved backbone asset against the release's tensor, streamed: the gate's check
 that needs no runtime, so it runs at any size (the 9B included) in a few MB of memory.
 
-The release side: each tensor of two or more dimensions read from its shard in row blocks
-(beside a compressed build's export, whose own read of the release bypasses the page cache, with
-``O_DIRECT`` too, ``sweep.tensor_rows``: through the cache it cost the kernel 12.4 s of the two
-cores' CPU at 9B; beside an fp16 export, which reads the release through the cache, from there),
-converted here with numpy (bf16 -> fp32 by a shift, times ``2**k`` for the fp32-compute recipes
-with ``k`` by the build's rule ``weights.scale_exponent``, rounded to fp16; numpy, not the build's
-torch path), and hashed as fp16 bytes; a small tensor also as those fp16 values widened to fp32 (the Core AI compiler folds the
-fp32 cast of a small fp16 constant into an fp32 blob). The asset side: every blob of
-``main.mlirb`` located from the bytecode's resource section and hashed where it lies. A tensor
-whose bytes are in no blob is a failure naming it. The asset side (one sequential read of
-``main.mlirb``, ``mlirb.digests``) runs in a thread, the release side (``ReleaseSide``) in two
-more, a tensor each (hashlib and numpy release the GIL on large buffers): both cores work, and
-the release and the asset are read at once. A build starts the release side beside its export,
-and gives the digests its save took of what it wrote: the asset side then hashes each byte once,
-for the file's sha256, which proves those digests are the file's (``blob_digests``).
-
-A compressed tensor (int8 / int4 recipes) is quantized here again by the gate's own numpy rule
-(``quantize.quantize_np``, not the build's torch path) and its codes (packed for int4) and its
-scales are each found by their sha256; the two blobs are kept, so the numeric gate dequantizes
-what ``main.mlirb`` holds (``dequantized``), not what the build had in memory.
-
-1-D tensors (norm scales, ``A_log``, ``dt_bias``) are not compared here: the converter folds them
-into derived constants (``1 + w``, ``-exp(A_log)``); the numeric gate covers them.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -43,7 +20,7 @@ from .streamed_weights import FOLD_MAX_VALUES, TensorInfo, as_f32, raw_blocks, s
 from ..progress import plural
 
 _BLOCK = 32 << 20  # bytes read at a time, on either side
-_RELEASE_PIECE = 8 << 20  # the release's bytes read at a time, four in flight a thread (``sweep``)
+_RELEASE_PIECE = 8 << 20  # the release's bytes read at a time, four in flight a thread (``shard_reads``)
 # the fp32 form is hashed for tensors up to FOLD_MAX_VALUES values: the compiler folds the cast of
 # fp16 constants up to about 131,072 values (measured); a larger folded one fails here, never passes
 
@@ -144,7 +121,7 @@ class _Tiles:
 
 
 class _Stopped(Exception):
-    """A release side stopped before its end (``ReleaseSide.stop``)."""
+    """A release side stopped before its end (``ExpectedDigests.stop``)."""
 
 
 def expected(folder: Path, t: TensorInfo, scaled: bool, scheme=None, stop=None, direct: bool = False) -> Expected:
@@ -173,7 +150,7 @@ def expected(folder: Path, t: TensorInfo, scaled: bool, scheme=None, stop=None, 
     return Expected(t.name, t.shape, k, h16.hexdigest(), h32.hexdigest() if h32 else None)
 
 
-class ReleaseSide:
+class ExpectedDigests:
     """The release's side of ``compare``: every 2-D+ tensor's expected digests, by threads that take
     the tensors in turn. The build starts one beside the export (``start(background=True)``: a
     thread at a lower priority, on the core the trace leaves idle, yielding to the export's save),
@@ -194,7 +171,7 @@ class ReleaseSide:
         self._error: BaseException | None = None
         self._threads: list = []
 
-    def start(self, threads: int = 1, background: bool = False) -> "ReleaseSide":
+    def start(self, threads: int = 1, background: bool = False) -> "ExpectedDigests":
         import threading
 
         for _ in range(threads):
@@ -275,7 +252,7 @@ def blob_digests(mlirb: Path, written: Written | None = None) -> tuple[str, list
 
 
 def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: bool,
-            log=lambda msg: None, scheme=None, compressed=(), release: ReleaseSide | None = None,
+            log=lambda msg: None, scheme=None, compressed=(), release: ExpectedDigests | None = None,
             written: Written | None = None) -> WeightsReport:
     """The release's 2-D+ tensors against the blobs of ``mlirb`` (both hashed at once); the
     ``compressed`` ones as ``scheme``'s codes and scales. ``release``: its side already started
@@ -286,7 +263,7 @@ def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: boo
             Path(folder), scaled, scheme, set(compressed)):  # started for another release or recipe: not used
         release.stop()
         release = None
-    release = release or ReleaseSide(folder, infos, scaled, scheme, compressed)
+    release = release or ExpectedDigests(folder, infos, scaled, scheme, compressed)
     big = release.big
 
     def timed(*args):

@@ -1,28 +1,6 @@
 """A compressed build's codes and scales made ahead of the save, while the graph is traced.
 
-Tracing and converting the 9B take one core for 20-30 s; quantizing its weights takes about as
-long on a core of its own, and used to start only when ``main.mlirb`` was written (the save then
-waited 24-49 s for the quantizer). A second process (``python -m clef_flash.engine.codes_ahead``) now
-makes each compressed tensor's codes and scales (``weights.TensorBlocks``: the save's own code, so
-the same bytes) as soon as the weights are laid out, and writes them into the tensor's slots of
-the scratch file, holes until then that nothing reads before the save. The save reads each slot
-back, and the slot is punched out of the file once read: the disk holds only what the save has
-not yet written. (Only the compressed tensors: ``start`` says why.)
-
-The process reads each shard once, start to end, with ``O_DIRECT`` (``sweep``): the same read
-gives the compressed tensors' rows and the shard's sha256 for its pin (the build's worker passes
-those on; the pins' own thread no longer reads the release a second time through the page cache,
-which cost the 9B build 20.7 s of kernel CPU).
-
-Protocol: the job is one JSON argument, the scratch file is the inherited descriptor it names.
-The process writes ``<index> <part> <bytes made>`` lines on stdout as it goes, ``sha ["<shard>",
-"<sha256>"]`` after each shard it was asked to hash, and one ``error <text>`` line if it stops;
-the save's order, once the converter has fixed it, reaches it as one JSON list of task indices on
-stdin, and it reads the shards left in that order (the one holding the first tensor the save
-waits for first; a shard's tensors in file order). If it stops early (an error, a kill), the save
-makes what is missing itself, from the byte where the process stopped, and the worker hashes the
-shards it did not report: whatever happens here, ``main.mlirb`` is the same bytes.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -93,7 +71,7 @@ def start(weights, log: Callable[[str], None] = lambda m: None, hashed=()) -> "A
     back. None where there are none, or where the disk could not hold them beside the asset (each
     slot is freed once the save has read it, but a file system without hole punching keeps them all).
 
-    The process reads each shard once, start to end (``sweep``), and takes the sha256 of those in
+    The process reads each shard once, start to end (``shard_reads``), and takes the sha256 of those in
     ``hashed`` from the same read (``Ahead.digests``): the pins' hashes no longer read the release
     a second time.
 
@@ -242,13 +220,12 @@ def _make(job: dict) -> None:
 
     from ..errors import ClefError
     from .quantize import Scheme
-    from .shard_reads import Sweep
+    from .shard_reads import ShardReader
     from .streamed_weights import TensorBlocks, TensorInfo, _pwrite
 
     torch.set_num_threads(1)
-    # the trace is what the export waits for: it keeps its core, and this process takes what is left of the other
-    # (9B int8, every tensor made ahead: trace 30.1 s at nice 0, 20.1 s at 10; with the stitched trace,
-    # 34.6-34.9 s warm at nice 0, 5 and 10 alike, and cold 49.5 s at 0 against 46.5 s at 10)
+    # the trace is what the export waits for: it keeps its core, and this process takes what is left
+    # of the other (the figures at each niceness: docs/performance.md)
     os.nice(NICE)
     folder = Path(job["folder"])
     blocks = TensorBlocks(folder, Scheme(*job["scheme"]))
@@ -293,12 +270,12 @@ def _make(job: dict) -> None:
             f = min(left, key=first_need)
             left.remove(f)
             ids = mine.get(f, [])
-            with Sweep(folder / f, [infos[i] for i in ids], hashed=f in hashed) as sweep:
-                for j, rows in sweep.tensors():
+            with ShardReader(folder / f, [infos[i] for i in ids], hashed=f in hashed) as reader:
+                for j, rows in reader.tensors():
                     make(ids[j], rows)
                     reorder()
             if f in hashed:
-                say("sha " + json.dumps([f, sweep.digest]))
+                say("sha " + json.dumps([f, reader.digest]))
         say("done")
     except (ClefError, OSError, ValueError) as exc:
         say(f"error {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")

@@ -2,16 +2,7 @@
 tensors' rows handed to the quantizer from the same buffers (``ahead``'s process reads the release
 this way).
 
-Why: read through the page cache, the 9B release's 18 GB cost the kernel 20.7 s of CPU in the pin
-hashes' thread and 11.3 s more in the process that quantized the same bytes again, on a machine
-of two cores (measured with a cold cache; an O_DIRECT read of the same files costs it 0.7 s).
-So the file is read once, with ``O_DIRECT`` where the file system takes it (plain reads where it
-does not: the same bytes), and the bytes quantized are the bytes the pin hashed.
-
-Two threads: one reads the next range while the other hashes the last (both release the GIL);
-the caller quantizes a tensor's rows meanwhile. A buffer goes back to the reader once it is hashed
-and, for a tensor's rows, once the caller asks for the next rows.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -36,7 +27,7 @@ BUFFERS = 4  # in flight: one being read, one hashed, one or two quantized
 class Span:
     start: int
     end: int
-    tensor: int  # index into the sweep's tensors; -1: bytes only hashed
+    tensor: int  # index into the reader's tensors; -1: bytes only hashed
     r0: int = 0
     r1: int = 0
 
@@ -74,7 +65,7 @@ def _aligned(nbytes: int) -> np.ndarray:
     return raw[skip:skip + nbytes]
 
 
-class Sweep:
+class ShardReader:
     """``path`` read once in file order. ``tensors()`` yields ``(index, rows)`` for each of
     ``tensors`` (``weights.TensorInfo``) in file order, ``rows`` an iterator of ``(r0, r1, raw uint8)``
     row blocks (each valid until the next is asked for); once it is exhausted, ``digest`` is the
@@ -106,8 +97,8 @@ class Sweep:
         self._out: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._fd, self.direct = open_direct(self.path, os.O_RDONLY) if direct else (os.open(self.path, os.O_RDONLY), False)
-        self._threads = [threading.Thread(target=self._read, name="clef-sweep-read", daemon=True),
-                         threading.Thread(target=self._hash, name="clef-sweep-hash", daemon=True)]
+        self._threads = [threading.Thread(target=self._read, name="clef-shard-read", daemon=True),
+                         threading.Thread(target=self._hash, name="clef-shard-hash", daemon=True)]
         for th in self._threads:
             th.start()
 
@@ -191,7 +182,7 @@ class Sweep:
             th.join(timeout=10)
         os.close(self._fd)
 
-    def __enter__(self) -> "Sweep":
+    def __enter__(self) -> "ShardReader":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -199,9 +190,9 @@ class Sweep:
 
 
 def tensor_rows(folder: Path, t, piece_bytes: int = PIECE_BYTES, direct: bool = True):
-    """One tensor's ``(r0, r1, raw uint8)`` row blocks, read as ``Sweep`` reads (``O_DIRECT``: a
+    """One tensor's ``(r0, r1, raw uint8)`` row blocks, read as ``ShardReader`` reads (``O_DIRECT``: a
     reader of the release that would otherwise fill the page cache, at a cost in CPU the build's
-    two cores feel, ``Sweep``)."""
-    with Sweep(Path(folder) / t.file, [t], piece_bytes=piece_bytes, direct=direct, only=True) as sweep:
-        for _, rows in sweep.tensors():
+    two cores feel, ``ShardReader``)."""
+    with ShardReader(Path(folder) / t.file, [t], piece_bytes=piece_bytes, direct=direct, only=True) as reader:
+        for _, rows in reader.tensors():
             yield from rows

@@ -4,20 +4,7 @@ in row blocks into one scratch file that is memory-mapped (its pages are page ca
 can drop, not anonymous memory). 1-D tensors (norm scales, ``A_log``, ``dt_bias``: about 0.5 MB
 for the 9B) are read as fp32 values: the converter folds them into derived constants.
 
-Scaling (``scaled=True``, the fp32-compute recipes): each tensor is stored as ``W * 2**k`` with the
-largest ``k`` that keeps ``max |W| * 2**k <= 2**14``, and the graph multiplies what it computes
-from it by ``2**-k``. A power of two commutes with every rounding, so the fp32 math is bit for bit
-the unscaled math; but the Core AI compiler and runtime flush fp16 *subnormals* (|x| < 2**-14) to
-zero when they widen fp16 to fp32 (measured: a [128, 64] projection of std 0.02, 0.24 % of its
-values subnormal, came out 2e-4 relative off, 1e-6 against the flushed weights). A trained bf16
-checkpoint has many such values (std about 0.02); scaled, only values below about 2**-27 of the
-tensor's maximum are flushed, and bf16 values are stored exactly down to there (subnormal in fp16 below it). fp16 compute
-reads the weights as they are (scaled, its fp16 activations would overflow).
-
-The scratch file is created in the folder the caller names (the staged bundle, on the output's
-disk, never a tmpfs) and unlinked at once: only the open mapping holds it, so no exit path, a
-SIGKILL included, can leave it behind.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -277,7 +264,7 @@ class TensorBlocks:
         ``scales_only`` pass writes them, and what the codes' pass after it divides by, skipping the
         rule's first step (the converter writes a tensor's scales before its codes; 28.8 -> 18.4 ms
         for 16 M values). ``row_blocks``: the tensor's ``(r0, r1, raw)`` row blocks read elsewhere
-        (``sweep.Sweep``) instead of here.
+        (``shard_reads.ShardReader``) instead of here.
 
         Each block is quantized in row tiles of about ``TILE_VALUES`` values, widened to fp32 one
         tile at a time: the rule's passes then run in the CPU's cache instead of over a 64 MB fp32

@@ -1,15 +1,6 @@
 """Stable resource names in an MLIR bytecode file (``main.mlirb``).
 
-The Core AI compiler keys every weight blob ``resource_<llvm::hash_value(bytes)>``; that hash is
-seeded per process (the address of a static), so the same weights get other names, and the file
-other bytes, from one build to the next. This module renames each blob after its own bytes
-(``w_<sha256[:20]>``), which any machine computes the same.
-
-Only the string section changes: blobs are referenced by index everywhere else, and the string
-section follows the resource section, so the file is rewritten from the string section on
-(truncate + append) and the blobs stay where they are. Format: MLIR bytecode (``mlir/Bytecode``),
-prefix varints, sections ``id | 0x80 if aligned``, ``length``, ``[alignment, 0xCB padding]``.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,21 +1,6 @@
 """The backbone's gate: a finished backbone bundle against the release it was built from.
 
-1. the bundle's files against its manifest (``main.mlirb`` size and sha256, ``main.hash``, every
-   tokenizer file), the release's files against the pins and the manifest's source;
-2. the descriptor: one function ``main``, the inputs, states and output of the manifest's
-   interface, names, shapes and dtypes, as the Core AI runtime reports it where the numeric check
-   loads the asset, else as the bytecode declares it (no compiled copy: any size);
-3. every 2-D+ weight in ``main.mlirb`` equal to the release's tensor in fp16, streamed
-   (``asset_readback``: any size, a few MB of memory);
-4. numeric (where the decoder is small enough for the Linux CPU runtime, ``numeric_max_parameters``):
-   seeded token records of lengths 1, S - 1, S, S + 1, three chunks and one near the maximum
-   context, through the saved asset and the host loop (``host.run_record``), against transformers'
-   own text model of the release in fp32, one full forward per record;
-5. red arms on a three-chunk record, which must fail the bar: the state not carried between chunks,
-   every position one token late.
-
-Every failure is collected; then the gate fails (exit 4). Bars are data with their reasons.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 
@@ -95,7 +80,7 @@ class BackboneVerifyConfig(GateConfig):
     checked: dict[str, str] | None = None  # the build's plan: file -> sha256 already checked in this process
     text: Any = None  # the build's plan: the release's text configuration
     located: dict[str, Any] | None = None  # the build's plan: every weight located in the shards
-    release_side: Any = None  # the build's: asset_readback.ReleaseSide started beside the export
+    expected_digests: Any = None  # the build's: asset_readback.ExpectedDigests started beside the export
     written: Any = None  # the build's: mlirb.Written, what its save hashed (main.mlirb then read with one hash)
 
 
@@ -436,7 +421,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         checks.extend(descriptor_checks(asset, m, compiled=numeric))
         if comparing:
             weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log, scheme=scheme,
-                              compressed=compressed, release=cfg.release_side, written=cfg.written)
+                              compressed=compressed, release=cfg.expected_digests, written=cfg.written)
     except (IntegrityError, BytecodeError):
         if one_read:  # a main.mlirb that is not the manifest's is named as that, before what it broke
             check_asset(m, asset)

@@ -1,15 +1,6 @@
 """The gate: run a finished bundle against the author's head.
 
-1. the bundle against its manifest (``artifact.check_bundle``), the source against its pins,
-   and the manifest's source hashes against the files loaded;
-2. the author's ``JointSchemaHead`` (verified module, strict load, fp32, CPU); the backend's
-   read-back checks of the asset;
-3. seeded random records per function (or recorded ``.npz`` records, ``records``) through both,
-   the asset run by its backend's runner (the Core AI runtime runs on Linux CPUs);
-4. a checklist per function; every failure is collected, then the gate fails (exit 4).
-
-Bars are data with a one-line reason each (``TOLERANCES``) and are written into the transcript.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

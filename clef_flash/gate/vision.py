@@ -1,21 +1,6 @@
 """The vision tower's gate: a finished vision bundle against the release it was built from.
 
-1. the bundle's files against its manifest (``main.mlirb`` size and sha256, ``main.hash``), the
-   release's files against the pins and the manifest's source;
-2. every 2-D+ weight in ``main.mlirb`` equal to the release's tensor in fp16, streamed
-   (``engine.asset_readback``: a fine-tune's tower is proven to be the bytes it ships);
-3. the host's patches against transformers' own image processor (``Qwen2VLImageProcessorPil`` from
-   the release's ``preprocessor_config.json``) on the gate's images, bit for bit;
-4. numeric: one seeded image of a non-square aspect per bucket (above ``all_buckets_max_parameters``,
-   the smallest bucket only: a real-shape tower call takes minutes on the Linux CPU runtime), its
-   native grid filling most of the bucket, through the saved asset and the host
-   (``vision.host.tower_inputs``), against transformers' ``Qwen3_5VisionModel`` in fp32 on the
-   release's weights: rows per image (relative max |d|, row cosine);
-5. red arm on the smallest bucket, which must fail the bar: the patches sent in raster order instead
-   of the processor's merge-block order (positions and rotary as the host computes them).
-
-Every failure is collected; then the gate fails (exit 4). Bars are data with their reasons.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

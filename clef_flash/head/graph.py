@@ -1,23 +1,6 @@
 """Stage 3: ``ClefHeadGraph`` — the author's ``JointSchemaHead`` for one record, tensor inputs only.
 
-The author's forward loops over records, questions and options in Python and reads the record
-length with ``.item()``; ``torch.export`` cannot trace that. This module computes the same forward
-for one record as matrices over the ten inputs of ``contract.INPUT_ORDER``, using the author's own
-submodules and weights:
-
-- span means are averaging matrices (``q_avg``, ``o_avg``, ``g_avg``) applied to the normalised
-  hidden rows; the option -> question mapping is the one-hot ``member`` matrix;
-- padded keys, questions and options get ``contract.MASK_BIAS`` so exp underflows to exactly 0;
-  padding logits are exactly 0;
-- attention over more than ``KEY_BLOCK`` keys runs in key blocks sharing one max (same softmax);
-- parameters are read through ``.float()``: stored fp16 for ``fp16w32``, all math fp32;
-- it is written in core ATen ops only (``addmm``/``mm``/``bmm``, ``permute``, ``native_layer_norm``,
-  ``_softmax``, cosine similarity and normalisation spelled out as ATen computes them), so the
-  exported program needs no ``run_decompositions`` pass, the slowest part of a trace; eager
-  results are bit-identical to the ``F.linear`` / ``F.layer_norm`` / ``F.cosine_similarity`` forms.
-
-It knows nothing about Core AI: the same module feeds coreai-torch and coremltools.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

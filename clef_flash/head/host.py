@@ -1,15 +1,7 @@
 """The host side, numpy only: the arrays a host builds to call the head, and what it does with
 the logits. This is the spec that a Swift or Python host copies.
 
-    bucket = pick_bucket(len(ids))
-    inputs = head_inputs(hidden, ids, questions, table, bucket)     # the ten arrays
-    logits = <the asset's function f"t{bucket}">(**inputs.arrays)["logits"]
-    probs  = question_probs(logits, inputs.layout)                  # fp32 softmax per question
-    result = answers(request["questions"], questions, probs)         # SystemOne answers
-
-``questions`` are ``EncodedQuestion``-like objects (``question_type``, ``question_span``,
-``option_spans``, ``option_ids``); spans are half-open ``[start, end)`` token ranges.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """Backend ``mlpackage``: the Core ML package, the same head for Macs without Core AI (macOS 15+).
 
-ClefHeadGraph -> ``torch.export`` per bucket (static T) -> coremltools (macOS 15 opset, fp32 math;
-the frontend folds ``weight.float()`` into fp32 values held in the parameters' own fp16 memory,
-``Fp16AsFp32``, not into 4-byte copies) -> the ``clef::fp16_storage`` pass (every fp32 constant
-that fp16 holds exactly is stored fp16 behind a ``constexpr_cast``; equal ones are one array across
-functions) -> each function added to one in-memory multi-function program -> ``share_weights``
-(the functions' equal constants stored once, grouped as ``save_multifunction`` groups them) -> one
-``.mlpackage`` written once, with functions ``t512`` … ``t4096`` -> the spec serialised
-deterministically, name-based item identifiers in ``Manifest.json``. The package is
-byte-identical to the one the per-bucket packages joined by ``save_multifunction`` gave (tested
-against coremltools' own grouping and its own fp32 constants).
-
-The same functions as every backend (``backends.Backend``).
-
-coremltools cannot run Core ML predictions on Linux. What can be checked here is read back from
-the saved package (``read_package`` / ``check_package``): functions, input and output names,
-shapes and dtypes, fp32 math, and every stored weight against the author's. On macOS
-``predictor`` runs a function, and ``clef-export verify`` compares it with the author's head.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

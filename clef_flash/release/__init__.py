@@ -1,13 +1,6 @@
 """A release in one command: build -> verify -> AOT (where the toolchain exists) -> ``dist/``.
 
-``dist/`` holds the bundle(s), their build records, and ``SHA256SUMS`` for every file (sorted,
-``sha256sum -c`` format). The folder is staged and renamed into place like a bundle.
-
-With a backbone recipe among the recipes, ``dist/`` is a fine-tune's whole Mac release: the head
-bundle(s), the backbone bundle (its gate run against transformers where the decoder is small
-enough for the Linux runtime) and ``host/lm_head_fp16.bin`` with its sidecar, the lexical table the
-host reads for the head's inputs. AOT compiles head assets only.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

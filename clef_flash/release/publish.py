@@ -1,12 +1,6 @@
 """Publish a release's ``dist/`` to the Hub in one commit, with a model card, and prove the upload.
 
-dist/ -> SHA256SUMS checked against every file (a mismatch sends nothing) -> the check-release
-transcript, if given, checked to be of these very assets -> the model card from the records
-(``card.py``) -> the token (huggingface_hub's usual places) -> ``create_repo`` when missing ->
-one ``create_commit`` (large files the library's LFS / Xet way) -> SHA256SUMS and the card
-downloaded back *by the new commit* and compared, every file's Hub digest compared with ours ->
-``publish-record.json`` (repo, commit, every file's sha256) written into dist/.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """The host's lexical table: the backbone's ``lm_head.weight`` as raw fp16, row-major, no header.
 
-``model.safetensors.index.json`` names the shard that holds ``lm_head.weight``; only that shard is
-read (fetched by commit when there is no local source), both files checked against their pins.
-The table is written in row blocks (memory stays bounded), hashed as it is written, then checked
-through a second path (a ``numpy.memmap`` of the output against the shard's rows). A value that
-does not fit fp16 is an error naming its row, never a silent inf.
-
-At the real size: ``[248320, 4096]``, 2,034,237,440 bytes, row t at byte offset t x 8192.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

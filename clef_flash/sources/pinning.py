@@ -1,18 +1,7 @@
 """``clef-export pin``: write a pins file from what authenticates the bytes, never from trust in
 what happens to be on disk.
 
-- A Hub commit: the Hub's paths-info at that commit gives each LFS file's sha256 (its LFS oid)
-  and each small file's git blob sha1; small files are downloaded by commit and their blob sha1
-  checked before their sha256 is written. The head's three files are pinned, and, where the repo
-  has them, ``model.safetensors.index.json`` and the shard that holds ``lm_head.weight`` (or a
-  single ``model.safetensors``).
-- A local release folder (``clef-finetune merge`` / ``make-tiny`` layout): the same files hashed
-  where they lie, and what the folder says of itself (``CLEF_FINETUNE.json``, a tiny-random
-  marker) recorded as its origin; no Hub commit is made up.
-
-Either way the author's ``joint_schema_model.py`` must be one the tool knows, or the user names
-its exact sha256 (``--trust-author-code``). Nothing is written unless every check passed.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """The reference side of ``check-release``: the author's own model, end to end, from a release folder.
 
-    module   = the release's joint_schema_model.py (sha256 = the bundle's, and known or trusted)
-    backbone = Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype, device_map)
-    head     = JointSchemaHead(**joint_head_config.json), strict load of joint_head.safetensors
-    model    = module.ClefModel(backbone, head).eval()
-    response = module.systemone(model, processor, request)
-
-These are the steps of the author's ``load_release_model``, taken one by one: ``AutoProcessor``
-needs torchvision for the Qwen3-VL processor's video processor, which does not import next to the
-CPU build of torch. So the processor is transformers' own ``Qwen3VLProcessor`` class assembled from
-the release's tokenizer and the image processor ``AutoImageProcessor`` resolves without torchvision
-(``Qwen2VLImageProcessorPil``, from the release's ``preprocessor_config.json``), with no video
-processor (``ImageTextProcessor``); a release without that file gets the tokenizer alone, and its
-image requests are refused. Videos are refused before anything runs.
-
-A forward hook on the head records what the author's head was given (the backbone's hidden rows,
-the token ids, the encoded record) and what it returned, so that the shipped path reads exactly
-the rows the reference read: the backbone runs once per request.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

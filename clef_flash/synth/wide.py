@@ -3,13 +3,7 @@
 tensor by tensor in row blocks (bounded memory at any size), beside the head's files at the real
 head configuration, clef-finetune's ``CLEF_FINETUNE.json`` and the byte-level tokenizer.
 
-It exists to measure and prove the backbone build at real width without the Hub: nothing in it
-claims to be a real checkpoint (``base_model`` says synthetic; ``TINY_RANDOM_MODEL.txt`` marks its
-answers as meaningless). With ``tower`` (``vision.synth.wide_tower``), the 9B's vision tower too
-(27 blocks, 456M parameters) and the image processor's ``preprocessor_config.json``; without it,
-config.json names a tiny tower whose weights are not written (the backbone build reads the text
-decoder only).
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,17 +1,6 @@
 """The vision tower's names, shapes and preprocessing: one place, read before anything is traced.
 
-Interface (one function per bucket of N merged tokens, ``n<N>``; P = merge^2 * N patches):
-
-- ``patches [P, C*T*p*p] fp32``: the processor's patches, merge-block-major, zero rows past the image;
-- ``pos_index [P, 4] int32`` / ``pos_weight [P, 4] fp32``: the bilinear taps (align_corners) that
-  resample the learned ``side x side`` position table to the image's patch grid (zero weight past it);
-- ``patch_rc [P, 2] int32``: each patch's (row, column) on the patch grid, for the 2-D rotary;
-- ``patch_count [1] int32``: how many of the P rows are the image's (keys past it are masked);
-- output ``image_embeds [N, out_hidden]``: the merger's rows, the first ``patch_count / merge^2`` real.
-
-What transformers derives from ``grid_thw`` inside its forward (and so cannot be exported as it is:
-a data-dependent split) is derived by the host, so the graph's shapes are static per bucket.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -2,16 +2,7 @@
 grid-derived tensors as inputs (``contract``), so its shapes are static and nothing in it depends on
 the image's grid. torch only, no Core AI: the module traced for export is the one tests run eagerly.
 
-Per call: patches -> the patch embedding (the Conv3d with kernel = stride is one matmul on the
-flat patch) + the position table resampled by the host's bilinear taps -> ``depth`` blocks of
-LayerNorm / attention with the 2-D rotary over (row, column) / LayerNorm / MLP (gelu tanh) ->
-the merger: LayerNorm, each merge block's rows side by side, Linear, GELU (erf), Linear.
-
-Like ``backbone.graph.DecoderChunk`` it holds no ``nn.Parameter``: matrices are non-persistent
-buffers (views of the streamed scratch file), 1-D tensors plain attributes folded into constants.
-Compute ``fp32`` reads fp16 weights through a cast (stored scaled by powers of two, ``exponents``,
-so no weight is an fp16 subnormal); ``fp16`` runs the matmuls in fp16 with norms and softmax in fp32.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

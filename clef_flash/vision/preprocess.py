@@ -1,12 +1,7 @@
 """The image processor's rule in numpy + Pillow (no torch): what ``Qwen2VLImageProcessor`` does to
 one image, bit for bit (``tests/test_vision.py`` holds it equal to transformers' own class).
 
-    open -> EXIF orientation applied -> RGB (alpha dropped, as transformers' ``load_image`` does)
-    -> ``smart_resize`` (aspect kept, each side a multiple of patch * merge, pixels within
-    [min_pixels, max_pixels]) -> Pillow bicubic on the uint8 image -> rescale in float64, then fp32
-    (an fp32 rescale misses by 1.2e-7) -> (x - mean) / std in fp32 -> patches [gh * gw, C*T*p*p],
-    merge-block-major, the still frame in each of the T temporal slots.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
 """The prompt of an image request, from the same request's text-only prompt (pure Python): what a
 host does with the tokenizer's ids once it knows the image's N.
 
-The author's ``encode_record`` puts ``<|vision_start|>``, N ``<|image_pad|>``, ``<|vision_end|>`` and
-the tokens of ``"\\n"`` (the processor's expansion of its placeholder, tokenized apart) right after
-the fixed prefix; so every position from there on (the state, the schema, every question and option
-span) moves by N + 2 + len(newline) (N + 3 with Qwen's tokenizer). ``check-release`` holds this to
-the author's own prompt for every image request.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

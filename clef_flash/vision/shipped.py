@@ -1,13 +1,7 @@
 """The vision side of ``check-release --vision``: a vision bundle proven to belong to the release,
 then each image request's image through the host (numpy + Pillow) and the tower asset.
 
-1. the bundle's files against its manifest (``gate.vision.check_files``); the release's files
-   against the manifest's source digests (config, preprocessor config, every shard);
-2. ``prepare``: the image file opened and preprocessed as the author's processor does (with the
-   request's ``media_kwargs`` bounds), the bucket chosen (an image over the cap does not fit);
-3. ``tower_rows``: one asset call per image, the padding's rows dropped: the rows the decoder's
-   ``image_embeds`` takes.
-"""
+How it works: docs/modules.md."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from clef_flash.engine.shard_reads import ALIGN, Sweep, spans, tensor_rows
+from clef_flash.engine.shard_reads import ALIGN, ShardReader, spans, tensor_rows
 from clef_flash.engine.streamed_weights import TensorInfo
 from clef_flash.errors import IntegrityError
 
@@ -55,7 +55,7 @@ def test_spans_cover_the_file_once_in_whole_rows(tmp_path):
 @pytest.mark.parametrize("piece", [ALIGN - 1, 3 * ALIGN + 5, 1 << 20])
 def test_a_sweep_gives_every_tensors_bytes_and_the_files_sha256(tmp_path, direct, piece):
     path, data, infos = _file(tmp_path)
-    with Sweep(path, infos, piece_bytes=piece, direct=direct) as sw:
+    with ShardReader(path, infos, piece_bytes=piece, direct=direct) as sw:
         seen = []
         for i, rows in sw.tensors():
             t = infos[i]
@@ -66,7 +66,7 @@ def test_a_sweep_gives_every_tensors_bytes_and_the_files_sha256(tmp_path, direct
         assert seen == ["a", "b", "c"] and sw.digest == hashlib.sha256(data).hexdigest()
         assert sw.direct == (direct and _takes_o_direct(path))
     # rows left unread by the caller are released, and the digest still covers every byte
-    with Sweep(path, infos, piece_bytes=piece, direct=direct) as sw:
+    with ShardReader(path, infos, piece_bytes=piece, direct=direct) as sw:
         assert [i for i, _rows in sw.tensors()] == [0, 1, 2] and sw.digest == hashlib.sha256(data).hexdigest()
     one = b"".join(bytes(raw) for _, _, raw in tensor_rows(tmp_path, infos[1], piece_bytes=piece, direct=direct))
     assert one == data[infos[1].offset:infos[1].offset + infos[1].nbytes]
@@ -79,7 +79,7 @@ def test_a_sweep_without_o_direct_and_a_short_file(tmp_path, monkeypatch):
     real = os.open
     monkeypatch.setattr(os, "open", lambda p, flags, *a: (_ for _ in ()).throw(OSError(22, "no O_DIRECT"))
                         if flags & getattr(os, "O_DIRECT", 0) else real(p, flags, *a))
-    with Sweep(path, infos, piece_bytes=5000) as sw:
+    with ShardReader(path, infos, piece_bytes=5000) as sw:
         assert not sw.direct
         assert [b"".join(bytes(r) for *_, r in rows) for _, rows in sw.tensors()] == [
             data[t.offset:t.offset + t.nbytes] for t in infos] and sw.digest == hashlib.sha256(data).hexdigest()
@@ -90,8 +90,8 @@ def test_a_sweep_without_o_direct_and_a_short_file(tmp_path, monkeypatch):
     with pytest.raises(IntegrityError, match="ends inside b"):
         b"".join(bytes(r) for *_, r in tensor_rows(short, infos[1]))
     with pytest.raises(IntegrityError, match=r"short/f.bin: ends inside b"):  # the first tensor past the end
-        Sweep(short / "f.bin", infos)
-    sw = Sweep(path, infos, piece_bytes=ALIGN)
+        ShardReader(short / "f.bin", infos)
+    sw = ShardReader(path, infos, piece_bytes=ALIGN)
     next(iter(sw.tensors()))
     sw.close()
     assert not any(th.is_alive() for th in sw._threads)
