@@ -534,6 +534,69 @@ def check_release_cmd(
 
 
 @app.command()
+def answer(
+    dist: Annotated[str, typer.Argument(help="A release folder (what `release` writes), or a published one as OWNER/NAME@COMMIT.")],
+    requests: Annotated[Optional[Path], typer.Option("--requests", help="JSONL of SystemOne request bodies; image paths relative to it, data URLs or {content_type, base64}.")] = None,
+    vectors: Annotated[bool, typer.Option("--vectors", help="Check this host against the release's host/host-vectors.jsonl, step by step, instead.")] = False,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write the answers here (whole or not at all) instead of stdout.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out.")] = False,
+    cache: Annotated[Optional[Path], typer.Option("--cache", help="Where a published release is downloaded (default: the Hub's cache).")] = None,
+) -> None:
+    """Answer each request with the release's assets alone (no torch, no author code): one JSON line per request, in order; exit 4 if any could not be answered."""
+    from .host.answer import AnswerConfig, answer_file
+
+    if vectors == (requests is not None):
+        err.print("[bold red]error:[/] answer takes --requests FILE or --vectors (one of them)")
+        raise typer.Exit(2)
+    if vectors:
+        _answer_vectors(dist, cache)
+        return
+    cfg = AnswerConfig(dist=dist, requests=requests, out=out, overwrite=overwrite, cache=cache)
+    result = _run(lambda: answer_file(cfg, emit=lambda line: print(line, flush=True), log=_log))
+    s = result.seconds
+    _log(f"{plural(result.requests, 'request')} in {s['total']:.2f} s (encode {s['encode']:.2f}, vision {s['vision']:.2f}, "
+         f"decoder {s['decoder']:.2f}, head {s['head']:.2f}, host {s['host']:.2f})" + (f"; answers in {out}" if out else ""))
+    if result.failed:
+        for f in result.failed[:20]:
+            err.print(f"[bold red]FAIL[/] {escape(f)}")
+        raise typer.Exit(4)
+
+
+def _answer_vectors(dist: str, cache: Optional[Path]) -> None:
+    from .host.answer import check_release_vectors
+
+    steps = _run(lambda: check_release_vectors(dist, cache, log=_log))
+    table = Table("request", "step", "", "detail", box=None)
+    for s in steps:
+        table.add_row(s.request, s.step, "pass" if s.ok else "[bold red]FAIL[/]", escape(s.detail))
+    results.print(table)
+    bad = [s for s in steps if not s.ok]
+    if bad:
+        for s in bad:
+            err.print(f"[bold red]FAIL[/] {escape(s.request)}: {escape(s.step)}: {escape(s.detail)}")
+        raise typer.Exit(4)
+    results.print(f"[bold green]host vectors agree[/]: {plural(len({s.request for s in steps}), 'request')}, "
+                  f"{plural(len(steps), 'step')}")
+
+
+@app.command()
+def serve(
+    dist: Annotated[str, typer.Argument(help="A release folder (what `release` writes), or a published one as OWNER/NAME@COMMIT.")],
+    host: Annotated[str, typer.Option("--host", help="The address to bind (beyond loopback only with --token).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port")] = 8000,
+    token: Annotated[Optional[str], typer.Option("--token", envvar="CLEF_SERVE_TOKEN", help="Every request must carry Authorization: Bearer <token>.")] = None,
+    queue: Annotated[int, typer.Option("--queue", help="Requests waiting past which the server answers 503 with Retry-After.")] = 64,
+    cache: Annotated[Optional[Path], typer.Option("--cache", help="Where a published release is downloaded (default: the Hub's cache).")] = None,
+) -> None:
+    """Serve the release on Cloudflare's route and envelope (POST [/client/v4]/accounts/<account>/ai/run/@cf/cloudflare/<clef|clef-flash>, GET /health); SIGINT / SIGTERM finish what is in flight and exit 0."""
+    from .host.server import ServeConfig, serve as serve_release
+
+    cfg = ServeConfig(dist=dist, host=host, port=port, token=token, queue=queue, cache=cache)
+    result = _run(lambda: serve_release(cfg, log=_log))
+    _log(f"stopped after {plural(result['answered'], 'answer')}")
+
+
+@app.command()
 def aot(
     bundle: Annotated[Path, typer.Argument(help="A built bundle folder.")],
     platform: Annotated[str, typer.Option("--platform")] = "macOS",

@@ -1,4 +1,5 @@
-"""Streaming sha256 of files, bytes and folder trees, and a tree's size (a leaf: hashlib only)."""
+"""Streaming sha256 of files, bytes and folder trees, a tree's size, and a release's SHA256SUMS read (a leaf:
+hashlib and the leaves errors and layout)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,20 @@ def tree_hash(root: Path) -> str:
 def tree_bytes(root: Path) -> int:
     """The bytes of every regular file under ``root``."""
     return sum(p.stat().st_size for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def read_sums(dist: Path) -> dict[str, str]:
+    """SHA256SUMS as file -> sha256; a malformed line is an ``IntegrityError`` naming it."""
+    from .errors import IntegrityError
+    from .layout import SUMS_FILE
+
+    path = Path(dist) / SUMS_FILE
+    if not path.is_file():
+        raise IntegrityError(f"{path}: missing; a release's dist/ has one (`clef-export release` writes it)")
+    out: dict[str, str] = {}
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        digest, sep, name = line.partition("  ")
+        if not sep or len(digest) != 64 or not name or name.startswith("/") or ".." in name.split("/"):
+            raise IntegrityError(f"{path}:{i}: not a `sha256  file` line")
+        out[name] = digest
+    return out

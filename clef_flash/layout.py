@@ -11,3 +11,7 @@ RECORD_FILE = "build-record.json"
 SUMS_FILE = "SHA256SUMS"
 # the licence and notice a release carries: pinned when present, shipped at the top of a release's dist/
 LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md", "NOTICE", "NOTICE.txt", "NOTICE.md")
+# a release with a decoder: the lm_head table and its sidecar, and the host conformance vectors
+HOST_DIR = "host"
+TABLE_FILE = "lm_head_fp16.bin"
+VECTORS_FILE = "host-vectors.jsonl"

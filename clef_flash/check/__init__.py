@@ -63,6 +63,9 @@ class CheckReport(Report):
 
         row("requests", f"{s['checked']} checked of {s['requests']}, {s['does_not_fit']} do not fit", "listed, never cut", s["checked"] > 0)
         row("questions", str(s["questions"]), "", True)
+        enc = s["encoder"]
+        row("host encoder = author's", f"{enc['compared'] - enc['differ']}/{enc['compared']} requests token for token and "
+            "span for span", "all", enc["differ"] == 0)
         row("answers equal", f"{s['answers_equal']} equal, {s['near_ties']} near-ties, {s['rounded_digits']} differ in rounded "
             "digits only", "0 disagreements", s["disagreements"] == 0)
         row("disagreements", str(s["disagreements"]), "0", s["disagreements"] == 0)
@@ -203,14 +206,44 @@ def _fit(req, entry: dict[str, Any], encoded, side: _Shipped, prepared: dict[int
     return bucket
 
 
+class HostEncoder:
+    """The project's request encoder on the release's tokenizer; an image's N from the host's own
+    preprocessing (the release's image processor settings), as ``answer`` and ``serve`` compute it."""
+
+    def __init__(self, release: Path):
+        from ..host.encode import PromptTokenizer
+
+        self.release = release
+        self.tokenizer = PromptTokenizer(release / "tokenizer.json")
+        self._pre = None
+
+    def image_tokens(self, req) -> int:
+        from ..vision.contract import read_preprocessing, read_vision_config
+        from ..vision.preprocess import open_image, target_grid
+        from ..vision.shipped import _bounds
+
+        if self._pre is None:
+            self._pre = read_preprocessing(self.release, read_vision_config(self.release))
+        width, height = open_image(req.images[0]).size
+        return target_grid(width, height, self._pre, **_bounds(req.body.get("media_kwargs"))).tokens
+
+    def encode(self, req):
+        from ..host.encode import encode
+
+        return encode(self.tokenizer, req.body, image_tokens=self.image_tokens(req) if req.images else None)
+
+
 def _reference_pass(cfg: CheckConfig, requests, ref_model, side: _Shipped):
     """The reference side, request by request: (entries, [(entry index, Seen, the questions the host
     reads, bucket)], entry index -> the host's prepared image)."""
     from ..progress import progress
 
+    from ..host.encode import first_difference
+
     entries: list[dict[str, Any]] = []
     seen_by: list[tuple[int, Any, Any, int]] = []
     prepared: dict[int, Any] = {}
+    encoder = HostEncoder(Path(cfg.release))
     with progress("reference: the author's systemone", len(requests), "requests") as tick:
         for req in requests:
             tick()
@@ -224,6 +257,12 @@ def _reference_pass(cfg: CheckConfig, requests, ref_model, side: _Shipped):
                     entry["tokens"], entry["options"], entry["does_not_fit"] = 0, 0, why
                     continue
             encoded = ref_model.encode(req.body)
+            ours = encoder.encode(req)
+            differs = first_difference(ours, encoded.input_ids, encoded.questions)
+            if differs:  # the host's encoder is held to the author's on every request
+                entry["encoder_differs"] = differs
+                continue
+            entry["encoder_equal"] = True
             entry["tokens"] = len(encoded.input_ids)
             entry["options"] = sum(len(q.option_spans) for q in encoded.questions)
             bucket = _fit(req, entry, encoded, side, prepared, i)
@@ -236,7 +275,7 @@ def _reference_pass(cfg: CheckConfig, requests, ref_model, side: _Shipped):
             entry["reference"] = response
             if i in prepared:
                 vision_part.record(entry, prepared[i], seen, ref_model, req.body)
-            questions = seen.record.questions  # the author's EncodedQuestions are what the host reads
+            questions = ours.questions  # the host's own encoder: equal to the author's, checked above
             if cfg.red == "spans":
                 questions = head_part.shift_spans(questions, len(seen.ids))
             seen_by.append((i, seen, questions, bucket))
@@ -258,6 +297,8 @@ def _summary(side: _Shipped, entries, t, seconds: dict[str, float]) -> dict[str,
     """The transcript's summary, each part its own section; the failures that only the whole run shows
     are added to ``t``."""
     fitted = [e for e in entries if "function" in e]
+    t.failures.extend(f"{e['id']} (line {e['line']}): the host's encoder differs from the author's at {e['encoder_differs']}"
+                      for e in entries if "encoder_differs" in e)
     if not fitted:
         t.failures.append("no request fits the bundle: nothing was compared")
     if side.mean_bar is not None and t.mean_dp > side.mean_bar:
@@ -267,6 +308,8 @@ def _summary(side: _Shipped, entries, t, seconds: dict[str, float]) -> dict[str,
     return {**head_part.summary(side.manifest, entries, t, side.bar, side.mean_bar),
             "backbone": backbone_part.summary(side.backbone, entries, seconds["backbone"]),
             "images": vision_part.summary(side.vision, with_image, seconds["vision"]),
+            "encoder": {"compared": sum(1 for e in entries if "encoder_equal" in e or "encoder_differs" in e),
+                        "differ": sum(1 for e in entries if "encoder_differs" in e)},
             "functions_used": head_part.functions_used(side.manifest, fitted),
             "seconds": {k: seconds[k] for k in ("reference", "backbone", "shipped", "total")}}
 

@@ -11,11 +11,10 @@ from typing import Any
 from ..bundle import atomic_write_bytes, check_output_path, output_lock, staged_dir
 from ..digest import tree_files
 from ..errors import IntegrityError, ToolchainError, UsageError
-from ..layout import LICENSE_FILES, SUMS_FILE
+from ..layout import HOST_DIR, LICENSE_FILES, SUMS_FILE, VECTORS_FILE
 from ..recipe import AnyRecipe
 from ..progress import plural
 
-HOST_DIR = "host"  # the lm_head table and its sidecar, in a release with a backbone
 
 
 @dataclass(frozen=True)
@@ -78,12 +77,31 @@ def release(cfg: ReleaseConfig, log=lambda msg: None) -> dict[str, Any]:
         if licence:
             log(f"the release's {', '.join(licence)} shipped beside the bundles")
         files = tree_files(tmp)
+        if whole:  # what each host step gives, from the staged assets themselves
+            files.update(_host_vectors(tmp, files, log))
         lines = "".join(f"{digest}  {name}\n" for name, digest in sorted(files.items()))
         atomic_write_bytes(tmp / SUMS_FILE, lines.encode())
     log(f"release in {dist}: {plural(len(files), 'file')}, {SUMS_FILE}")
     return {"dist": str(dist), "files": sorted(files), "aot": do_aot, "bundles": bundles,
             "lm_head_table": None if table is None else f"{HOST_DIR}/{Path(table['table']).name}",
             "licence": licence}
+
+
+def _host_vectors(tmp: Path, files: dict[str, str], log) -> dict[str, str]:
+    """``host/host-vectors.jsonl`` written by the release's own assets; its digest."""
+    from ..digest import sha256_file
+    from ..host.dist import open_checked
+    from ..host.vectors import write_vectors
+
+    try:
+        dist = open_checked(tmp, files)
+    except UsageError as exc:  # a decoder without a head (or the like): nothing answers, nothing to prove
+        log(f"no host vectors: {exc}")
+        return {}
+    path = tmp / HOST_DIR / VECTORS_FILE
+    n = write_vectors(dist, path, log)
+    log(f"host vectors: {n} requests, each host step, in {HOST_DIR}/{VECTORS_FILE}")
+    return {f"{HOST_DIR}/{VECTORS_FILE}": sha256_file(path)}
 
 
 def _copy_licence(cfg: ReleaseConfig, pins, tmp: Path) -> list[str]:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..bundle import read_json
 from ..errors import IntegrityError
+from ..digest import read_sums
 from ..layout import LICENSE_FILES, SUMS_FILE
 
 HEAD_KIND, BACKBONE_KIND, VISION_KIND = "decision-head", "decision-backbone", "vision-tower"
@@ -46,20 +47,6 @@ class Dist:
 
 def _json(path: Path) -> dict[str, Any]:
     return read_json(path)
-
-
-def read_sums(dist: Path) -> dict[str, str]:
-    """SHA256SUMS as file -> sha256; a malformed line is an ``IntegrityError`` naming it."""
-    path = Path(dist) / SUMS_FILE
-    if not path.is_file():
-        raise IntegrityError(f"{path}: missing; a release's dist/ has one (`clef-export release` writes it)")
-    out: dict[str, str] = {}
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        digest, sep, name = line.partition("  ")
-        if not sep or len(digest) != 64 or not name or name.startswith("/") or ".." in name.split("/"):
-            raise IntegrityError(f"{path}:{i}: not a `sha256  file` line")
-        out[name] = digest
-    return out
 
 
 def read_dist(dist: Path) -> Dist:
@@ -132,6 +119,10 @@ def model_card(dist: Dist, transcript: dict[str, Any] | None = None) -> str:
         out.append(f"- `{b.name}/` ({b.kind}): {role}")
     if dist.table is not None:
         out.append(f"- `host/lm_head_fp16.bin`: the lm_head rows in fp16 {dist.table['shape']}, the lexical table the host reads")
+    if "host/host-vectors.jsonl" in dist.sums:
+        out.append("- `host/host-vectors.jsonl`: what each host step gives for a few requests (token ids, spans, head "
+                   "inputs' digests, hidden rows, logits, answers), for a host in another language to prove itself against; "
+                   "`clef-export answer DIST --vectors` checks the Python host")
     out += ["", "## Files", "", "| file | bytes | sha256 |", "|---|---|---|"]
     out += [f"| `{n}` | {dist.sizes[n]} | `{d}` |" for n, d in sorted(dist.sums.items())]
     out += ["", f"`{SUMS_FILE}` lists them; `sha256sum -c {SUMS_FILE}` checks a download.", ""]

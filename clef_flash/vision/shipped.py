@@ -42,20 +42,27 @@ class PreparedImage:
     bucket: int | None  # None: over the cap
 
 
-def open_vision(bundle: Path, release: Path, hidden_size: int, digests: dict[str, str] | None = None) -> ShippedVision:
-    """The bundle checked, and checked to be this release's tower (``digests``: as ``open_backbone``'s)."""
-    from ..engine.bundle_read import check_built_from
+def read_vision(bundle: Path, hidden_size: int) -> ShippedVision:
+    """The bundle checked on its own (files, rows as wide as the decoder's)."""
     from .bundle import check_files
 
-    bundle, release = Path(bundle), Path(release)
+    bundle = Path(bundle)
     m, asset, checks = check_files(bundle)
-    checks.append(check_built_from(bundle, release, m.source.files, "vision tower", digests))
     cfg = VisionConfig(**m.tower.vision_config)
     if cfg.out_hidden_size != hidden_size:
         raise IntegrityError(f"{bundle}: image rows of {cfg.out_hidden_size} values; the decoder takes {hidden_size}")
     pre = Preprocessing(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in m.preprocess.model_dump().items()
                            if k != "rule"})
     return ShippedVision(bundle=bundle, asset=asset, manifest=m, checks=checks, cfg=cfg, pre=pre)
+
+
+def open_vision(bundle: Path, release: Path, hidden_size: int, digests: dict[str, str] | None = None) -> ShippedVision:
+    """The bundle checked, and checked to be this release's tower (``digests``: as ``open_backbone``'s)."""
+    from ..engine.bundle_read import check_built_from
+
+    v = read_vision(bundle, hidden_size)
+    v.checks.append(check_built_from(Path(bundle), Path(release), v.manifest.source.files, "vision tower", digests))
+    return v
 
 
 def _bounds(media_kwargs: dict[str, Any] | None) -> dict[str, int | None]:

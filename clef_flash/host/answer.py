@@ -1,0 +1,112 @@
+"""``clef-export answer``: every request of a JSONL file answered by the release's assets, one JSON
+line per request in input order (a request that cannot be answered: its line says why, and the
+command exits 4 once the rest are answered); ``--out`` written whole or not at all."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class AnswerConfig:
+    dist: str  # a release folder, or OWNER/NAME@COMMIT
+    requests: Path
+    out: Path | None = None
+    overwrite: bool = False
+    cache: Path | None = None  # where a published release is downloaded (default: the Hub's cache)
+
+
+@dataclass
+class AnswerResult:
+    lines: list[str]  # one JSON line per request, in input order
+    failed: list[str] = field(default_factory=list)  # "file:line: field: why"
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage, summed over the requests
+    requests: int = 0
+
+
+def read_lines(path: Path) -> list[tuple[int, Any]]:
+    """(line number, parsed body or the ``ValueError`` saying why not) of each non-blank line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{path}: requests file not found") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{path}: not UTF-8 text") from None
+    out: list[tuple[int, Any]] = []
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            out.append((n, json.loads(line)))
+        except ValueError as exc:
+            out.append((n, ValueError(f"not JSON ({exc})")))
+    if not out:
+        raise UsageError(f"{path}: no requests")
+    return out
+
+
+def error_line(n: int, body: Any, field_name: str, message: str, status: int) -> dict[str, Any]:
+    rid = body.get("id") if isinstance(body, dict) else None
+    return {"line": n, **({"id": rid} if rid is not None else {}),
+            "error": {"field": field_name, "message": message, "status": status}}
+
+
+def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, log=lambda msg: None) -> AnswerResult:
+    """Every request answered in order; ``emit`` gets each line as it is made (stdout)."""
+    from ..bundle import atomic_write_bytes, check_output_path
+    from ..interrupts import refuse_if_interrupted, run_async
+    from .dist import open_dist
+    from .model import STAGES, ClefHost
+    from .requests import RequestError
+
+    if cfg.out is not None:
+        check_output_path(Path(cfg.out), cfg.overwrite)
+    bodies = read_lines(cfg.requests)
+    dist = open_dist(cfg.dist, cfg.cache, log)
+    result = AnswerResult(lines=[], seconds={s: 0.0 for s in STAGES}, requests=len(bodies))
+
+    async def run() -> None:
+        from ..progress import progress
+
+        async with ClefHost(dist) as host:
+            with progress("answering", len(bodies), "requests") as tick:
+                for n, body in bodies:
+                    refuse_if_interrupted()  # Ctrl-C: no request starts after it
+                    try:
+                        if isinstance(body, ValueError):
+                            raise RequestError("body", str(body))
+                        answered = await host.answer(body, Path(cfg.requests).parent)
+                        line = json.dumps({"line": n, **({"id": body["id"]} if "id" in body else {}), **answered.response},
+                                          ensure_ascii=False)
+                        for s in STAGES:
+                            result.seconds[s] += answered.seconds[s]
+                    except RequestError as exc:
+                        result.failed.append(f"{cfg.requests}:{n}: {exc}")
+                        line = json.dumps(error_line(n, body, exc.field, str(exc), exc.status), ensure_ascii=False)
+                    result.lines.append(line)
+                    if emit is not None and cfg.out is None:
+                        emit(line)
+                    tick()
+
+    t0 = time.perf_counter()
+    run_async(run)
+    result.seconds["total"] = time.perf_counter() - t0
+    if cfg.out is not None:
+        atomic_write_bytes(Path(cfg.out), "".join(line + "\n" for line in result.lines).encode("utf-8"))
+    return result
+
+
+def check_release_vectors(dist_spec: str, cache: Path | None = None, log=lambda msg: None):
+    """``answer --vectors``: this host against the release's ``host/host-vectors.jsonl``, step by step."""
+    from ..layout import HOST_DIR, VECTORS_FILE
+    from .dist import open_dist
+    from .vectors import check_vectors
+
+    dist = open_dist(dist_spec, cache, log)
+    return check_vectors(dist, dist.root / HOST_DIR / VECTORS_FILE, log)

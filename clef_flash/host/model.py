@@ -1,0 +1,169 @@
+"""One release answering requests from its shipped assets alone: the host's encoder, the tower asset
+for an image, the decoder asset in chunks with its states, the lm_head table's rows, the head
+asset, and the SystemOne answers. No torch, no transformers, no author code: a test holds it.
+
+``ClefHost`` is entered once (each asset loaded once) and answers one request at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .dist import Dist
+from .encode import Encoded, PromptTokenizer, encode
+from .requests import Image, RequestError, check_body, read_image
+
+STAGES = ("encode", "vision", "decoder", "head", "host")
+
+
+@dataclass
+class Answered:
+    response: dict[str, Any]  # the SystemOne response: model, answers, usage
+    encoded: Encoded
+    seconds: dict[str, float] = field(default_factory=dict)  # per STAGES
+    bucket: str = ""
+    logits: np.ndarray | None = None  # the head's [O] output, unrounded
+    steps: dict[str, Any] | None = None  # keep=True: each step's arrays (host-vectors.jsonl)
+
+
+def _head_hidden(manifest) -> int:
+    return int(manifest.head.inputs["hidden"].split(",")[1].split("]")[0])
+
+
+class ClefHost:
+    def __init__(self, dist: Dist):
+        from ..manifest import pads
+        from ..sources.lm_head import open_table
+
+        self.dist = dist
+        self.manifest, self.fmt, self.asset = dist.head
+        self.tokenizer = PromptTokenizer(dist.tokenizer)
+        self.table = open_table(dist.table)
+        self.q_pad, self.o_pad = pads(self.manifest.head)
+        self.names = {b: name for name, b in self.manifest.head.buckets}
+        self.buckets = tuple(sorted(self.names))
+        self._stack: contextlib.AsyncExitStack | None = None
+
+    async def __aenter__(self) -> "ClefHost":
+        from ..backbone.runtime import runner as decoder_runner
+
+        stack = contextlib.AsyncExitStack()
+        await stack.__aenter__()
+        try:
+            bb = self.dist.backbone.manifest
+            shapes = {n: tuple(int(x) for x in spec.shape) for n, spec in bb.interface.states.items()}
+            dtype = next(iter(bb.interface.states.values())).dtype
+            self._decoder, self._new_states = await stack.enter_async_context(decoder_runner(self.dist.backbone.asset, shapes, dtype))
+            self._head = await stack.enter_async_context(self.fmt.runner(self.asset, sorted(self.names.values())))
+            self._tower = None
+            if self.dist.vision is not None:
+                from ..vision.runtime import runner as tower_runner
+
+                self._tower, _ = await stack.enter_async_context(tower_runner(self.dist.vision.asset, self.dist.vision.cfg))
+        except BaseException:
+            await stack.aclose()
+            raise
+        self._stack = stack
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._stack is not None:
+            await self._stack.aclose()
+            self._stack = None
+
+    def prepare(self, body: Any, base: Path | None = None) -> tuple[Encoded, Any, Image | None, int]:
+        """The request checked, its image prepared and its prompt encoded, before any asset runs:
+        (encoded, the image's prepared patches or None, the image, the head bucket)."""
+        from ..head.host import HostInputError, check_fits
+
+        check_body(body)
+        image = read_image(body, base)
+        prepared, tokens = None, None
+        if image is not None:
+            prepared = self._prepare_image(image)
+            tokens = prepared.grid.tokens
+        try:
+            enc = encode(self.tokenizer, body, image_tokens=tokens)
+        except ValueError as exc:
+            raise RequestError("questions", str(exc), 422) from None
+        try:
+            bucket = check_fits(len(enc.ids), enc.questions, q_pad=self.q_pad, o_pad=self.o_pad, buckets=self.buckets)
+        except HostInputError as exc:
+            schema = len(enc.questions) > self.q_pad or sum(len(q.option_spans) for q in enc.questions) > self.o_pad
+            raise RequestError("questions" if schema else "state", str(exc), 422) from None
+        too_long = self.dist.backbone.does_not_fit(len(enc.ids))
+        if too_long:
+            raise RequestError("state", too_long, 422)
+        return enc, prepared, image, bucket
+
+    def _prepare_image(self, image: Image):
+        from ..vision.host import choose_bucket
+        from ..vision.preprocess import pixel_patches
+        from ..vision.shipped import PreparedImage, _bounds
+
+        vision, bb = self.dist.vision, self.dist.backbone.manifest
+        if vision is None:
+            raise RequestError("images", "this release has no vision bundle: it answers text requests only", 422)
+        if bb.interface.vision is None:
+            raise RequestError("images", f"{self.dist.backbone.bundle.name} is a text-only decoder", 422)
+        try:
+            patches, grid = pixel_patches(image.pil, vision.pre, **_bounds(image.media_kwargs))
+        except (ValueError, TypeError) as exc:
+            raise RequestError("media_kwargs", str(exc), 400) from None
+        bucket = choose_bucket(grid.tokens, vision.buckets)
+        if bucket is None:
+            raise RequestError("images[0]", f"{grid.tokens} vision tokens ({grid.merged[0]} x {grid.merged[1]}) exceed the "
+                               f"vision asset's cap of {vision.cap} (media_kwargs max_pixels bounds an image)", 422)
+        if grid.tokens > bb.interface.vision.image_rows:
+            raise RequestError("images[0]", f"{grid.tokens} vision tokens exceed the decoder's "
+                               f"{bb.interface.vision.image_rows} image rows", 422)
+        return PreparedImage(file=Path(image.source), patches=patches, grid=grid, bucket=bucket)
+
+    async def answer(self, body: Any, base: Path | None = None, keep: bool = False) -> Answered:
+        """One request answered (``RequestError`` before any asset runs when it cannot be);
+        ``keep``: each step's arrays kept in ``steps``."""
+        from ..backbone.host import ImageSpan, image_ids, image_inputs, run_record
+        from ..head.host import answers, head_inputs, question_probs
+
+        t0 = time.perf_counter()
+        enc, prepared, _image, bucket = self.prepare(body, base)
+        seconds = {"encode": time.perf_counter() - t0}
+        t = time.perf_counter()
+        span = None
+        if prepared is not None:
+            rows = (await self._tower(prepared.patches, prepared.grid, prepared.bucket))[0]
+            span = ImageSpan(start=enc.image.start, rows=rows, grid=prepared.grid.merged)
+        seconds["vision"] = time.perf_counter() - t
+        t = time.perf_counter()
+        lang, vision = self.dist.backbone.manifest.language, self.dist.backbone.manifest.interface.vision
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        extra = None
+        if vision is not None:
+            dtype = np.float32 if vision.embeds_dtype == "fp32" else np.float16
+            extra = image_inputs(vision.image_rows, lang.hidden_size, dtype, span)
+        sent = image_ids(ids, span, lang.vocab_size) if span is not None else ids
+        hidden = await run_record(self._decoder, self._new_states, sent, lang.prefill_chunk, lang.max_context,
+                                  lang.pad_token_id, None, extra)
+        seconds["decoder"] = time.perf_counter() - t
+        t = time.perf_counter()
+        hi = head_inputs(hidden, ids, enc.questions, self.table, bucket, q_pad=self.q_pad, o_pad=self.o_pad,
+                         buckets=self.buckets)
+        logits = await self._head(self.names[bucket], hi.arrays)
+        seconds["head"] = time.perf_counter() - t
+        t = time.perf_counter()
+        probs = question_probs(logits, hi.layout)
+        response = {"model": body["model"], "answers": answers(body["questions"], enc.questions, probs),
+                    "usage": {"input_tokens": len(enc.ids), "output_tokens": 0}}
+        seconds["host"] = time.perf_counter() - t
+        steps = None
+        if keep:
+            steps = {"patches": None if prepared is None else prepared.patches, "grid": None if prepared is None else prepared.grid,
+                     "image_rows": None if span is None else span.rows, "hidden": hidden, "head_inputs": hi.arrays,
+                     "probabilities": probs}
+        return Answered(response=response, encoded=enc, seconds=seconds, bucket=self.names[bucket],
+                        logits=np.asarray(logits, np.float32)[: hi.options], steps=steps)
