@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup build test test-fast verify bench bench-backbone bench-identity bench-9b bench-slice-int8 bench-vision vision crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
+.PHONY: setup build test test-fast verify bench bench-serve bench-backbone bench-identity bench-9b bench-slice-int8 bench-vision vision crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -84,7 +84,8 @@ compressed: setup $(TINY_BUNDLE)/metadata.json $(TINY_COMPRESSED)
 # (fp32 compute on every request; fp16 compute, slow on the Linux CPU runtime, on the first four),
 # the project's image requests through the vision asset and the backbone's image inputs (and their red arm),
 # the red arm that must fail (exit 4), the backbone's gate, the whole Mac release in one dist/, and its
-# publish to a loopback Hub, downloaded back by the commit and checked
+# publish to a loopback Hub, downloaded back by the commit and checked; then the dist/ answering the request
+# sets through `answer` and `serve` (clef-evals' own client), equal, within check-release's bars
 TINY_B32 := $(TINY_OUT)/tiny_release_decode_fp16w32_pf64
 TINY_B16 := $(TINY_OUT)/tiny_release_decode_fp16_pf64
 TINY_V32 := $(TINY_OUT)/tiny_release_vision_fp16w32
@@ -99,6 +100,8 @@ check: setup $(TINY_BUNDLE)/metadata.json $(TINY_BACKBONES) $(TINY_V32)/metadata
 	$(BIN)/clef-export verify $(TINY_B32) --source $(TINY_REL)
 	$(BIN)/clef-export release $(RECIPE) conversion/backbone_pf64_fp16w32.toml conversion/vision_fp16w32.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist --overwrite
 	$(BIN)/python -m tests.hub_roundtrip $(TINY_OUT)/dist --check $(TINY_OUT)/check-release-fp16w32.json
+	$(BIN)/clef-export answer $(TINY_OUT)/dist --vectors
+	$(BIN)/python -m tests.host_roundtrip $(TINY_OUT)/dist --check $(TINY_OUT)/check-release-fp16w32.json --check $(TINY_OUT)/check-release-images.json
 
 # build -> verify -> AOT where xcrun coreai-build exists -> dist/ with SHA256SUMS
 artifact: setup $(SRC_DEPS)
@@ -157,6 +160,12 @@ VISION_REL := .cache/synth-9b-vision
 $(VISION_REL)/pins.json: $(AUTHOR) clef_flash/synth/wide.py | $(STAMP)
 	$(BIN)/clef-export synth-release $(VISION_REL) --size 9b --layers 4 --vision --seed 0 --author-code $(AUTHOR) --overwrite
 	$(BIN)/clef-export pin $(VISION_REL) --name synth_9b_vision --overwrite
+
+# answer and serve on the tiny release's dist/ (make check builds it): the time split per request, the
+# server's overhead, 16 clef-evals clients x 50 requests, memory over 1,000 requests
+bench-serve: setup
+	test -f $(TINY_OUT)/dist/SHA256SUMS || $(MAKE) check
+	$(BIN)/python benchmarks/bench_serve.py --dist $(TINY_OUT)/dist --name tiny
 
 bench-vision: setup $(VISION_REL)/pins.json
 	$(BIN)/python benchmarks/bench_vision.py --release $(VISION_REL)

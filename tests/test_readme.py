@@ -16,6 +16,7 @@ from pathlib import Path
 from .conftest import ROOT
 
 README = ROOT / "README.md"
+CLIENT = re.compile(r"^(\w+=\S+ )+clef-eval run ")  # the ecosystem's evaluator, pointed at `serve`
 BLOCK = re.compile(r"<!-- walkthrough: tests/test_readme.py runs it -->\n```[a-z]*\n(.*?)```", re.S)
 
 
@@ -28,13 +29,29 @@ def walkthrough() -> list[str]:
 
 def test_the_walkthrough_is_all_clef_export_commands():
     cmds = walkthrough()
-    assert len(cmds) >= 6 and all(c.startswith("clef-export ") for c in cmds), cmds
+    assert len(cmds) >= 6 and all(c.startswith("clef-export ") or CLIENT.match(c) for c in cmds), cmds
     # the steps the issue found missing or mismatched
     joined = "\n".join(cmds)
     assert "build --source" in joined and "check-release" in joined and "release " in joined and "publish " in joined
     checked = re.search(r"check-release .*--backbone build/\S+_decode_(\w+)_pf64\b", joined).group(1)
     released = re.search(r"clef-export release .*conversion/backbone_pf64_(\w+)\.toml", joined).group(1)
     assert checked == released, f"check-release checks the {checked} backbone, release ships the {released} one"
+
+
+def _wait_ready(port: str, proc) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        assert proc.poll() is None, "serve exited before it was ready"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError("serve was not ready in 300 s")
 
 
 def test_the_readme_walkthrough_runs_as_written(tmp_path, author_code):
@@ -49,13 +66,28 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, author_code):
                HF_HUB_DISABLE_TELEMETRY="1", HF_HOME=str(tmp_path / "hf-home"), HF_TOKEN="hf_fake_token")
     with FakeHubRepos() as hub:
         env["HF_ENDPOINT"] = hub.endpoint
-        for cmd in walkthrough():
-            r = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True, timeout=1200)
-            assert r.returncode == 0, f"{cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+        background = []
+        try:
+            for cmd in walkthrough():
+                if cmd.endswith(" &"):  # `serve`: started, then waited for as its ready line says
+                    background.append(subprocess.Popen(["bash", "-c", f"exec {cmd[:-2]}"], cwd=work, env=env,
+                                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+                    _wait_ready(re.search(r"--port (\d+)", cmd).group(1), background[-1])
+                    continue
+                r = subprocess.run(["bash", "-c", cmd], cwd=work, env=env, capture_output=True, text=True, timeout=1200)
+                assert r.returncode == 0, f"{cmd}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+                if "clef-eval run" in cmd:
+                    assert "gate: PASSED" in r.stdout, r.stdout[-2000:]
+        finally:
+            for p in background:
+                p.send_signal(15)
+                assert p.wait(timeout=120) == 0, "serve drains and exits 0 on SIGTERM"
         repo = re.search(r"publish \S+ --repo (\S+)", "\n".join(walkthrough())).group(1)
         record = json.loads((work / "dist" / "publish-record.json").read_text())
         assert record["commit"] == hub.commits(repo)[-1]
     assert (work / "check.json").is_file() and json.loads((work / "check.json").read_text())["summary"]["ok"]
+    answers = [json.loads(x) for x in (work / "answers.jsonl").read_text().splitlines()]
+    assert [a["id"] for a in answers] == ["refund", "route", "triage"] and all("answers" in a for a in answers)
 
 
 def test_the_readme_states_no_unchecked_counts():
