@@ -76,6 +76,15 @@ def _run(fn: Callable[[], Any]) -> Any:
         raise typer.Exit(1) from None
 
 
+def _fail(failures: list[str], where_more: str) -> None:
+    """Each failure a ``FAIL`` line on stderr (the first 20), then exit 4."""
+    for f in failures[:20]:
+        err.print(f"[bold red]FAIL[/] {escape(f)}")
+    if len(failures) > 20:
+        err.print(f"[bold red]FAIL[/] … and {len(failures) - 20} more ({where_more})")
+    raise typer.Exit(4)
+
+
 def _log(msg: str) -> None:
     from .interrupts import check_interrupted
 
@@ -524,11 +533,7 @@ def check_release_cmd(
     if transcript:
         _run(lambda: atomic_write_json(transcript, report.transcript))
     if not report.ok:
-        for f in report.failures[:20]:
-            err.print(f"[bold red]FAIL[/] {escape(f)}")
-        if len(report.failures) > 20:
-            err.print(f"[bold red]FAIL[/] … and {len(report.failures) - 20} more (see --transcript)")
-        raise typer.Exit(4)
+        _fail(report.failures, "see --transcript")
     human.print(f"[bold green]answers agree[/]: {plural(report.transcript['summary']['checked'], 'request')}, "
                 f"{plural(report.transcript['summary']['questions'], 'question')}")
 
@@ -557,9 +562,7 @@ def answer(
     _log(f"{plural(result.requests, 'request')} in {s['total']:.2f} s (encode {s['encode']:.2f}, vision {s['vision']:.2f}, "
          f"decoder {s['decoder']:.2f}, head {s['head']:.2f}, host {s['host']:.2f})" + (f"; answers in {out}" if out else ""))
     if result.failed:
-        for f in result.failed[:20]:
-            err.print(f"[bold red]FAIL[/] {escape(f)}")
-        raise typer.Exit(4)
+        _fail(result.failed, "each failed line says why in the output")
 
 
 def _answer_vectors(dist: str, cache: Optional[Path]) -> None:
@@ -570,11 +573,9 @@ def _answer_vectors(dist: str, cache: Optional[Path]) -> None:
     for s in steps:
         table.add_row(s.request, s.step, "pass" if s.ok else "[bold red]FAIL[/]", escape(s.detail))
     results.print(table)
-    bad = [s for s in steps if not s.ok]
+    bad = [f"{s.request}: {s.step}: {s.detail}" for s in steps if not s.ok]
     if bad:
-        for s in bad:
-            err.print(f"[bold red]FAIL[/] {escape(s.request)}: {escape(s.step)}: {escape(s.detail)}")
-        raise typer.Exit(4)
+        _fail(bad, "the table above")
     results.print(f"[bold green]host vectors agree[/]: {plural(len({s.request for s in steps}), 'request')}, "
                   f"{plural(len(steps), 'step')}")
 
@@ -585,7 +586,7 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="The address to bind (beyond loopback only with --token).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
     token: Annotated[Optional[str], typer.Option("--token", envvar="CLEF_SERVE_TOKEN", help="Every request must carry Authorization: Bearer <token>.")] = None,
-    queue: Annotated[int, typer.Option("--queue", help="Requests waiting past which the server answers 503 with Retry-After.")] = 64,
+    queue: Annotated[int, typer.Option("--queue", help="Requests waiting behind the one answered, past which the server answers 503 with Retry-After.")] = 64,
     cache: Annotated[Optional[Path], typer.Option("--cache", help="Where a published release is downloaded (default: the Hub's cache).")] = None,
 ) -> None:
     """Serve the release on Cloudflare's route and envelope (POST [/client/v4]/accounts/<account>/ai/run/@cf/cloudflare/<clef|clef-flash>, GET /health); SIGINT / SIGTERM finish what is in flight and exit 0."""

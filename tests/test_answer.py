@@ -366,6 +366,11 @@ def test_serve_token_bind_queue_and_drain(shipped):
 
     r = runner.invoke(app, ["serve", str(shipped["dist"]), "--host", "0.0.0.0"])
     assert r.exit_code == 2 and "needs --token" in r.output
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = runner.invoke(app, ["serve", str(shipped["dist"]), "--port", str(taken.getsockname()[1])])
+        assert r.exit_code == 2 and "cannot listen on 127.0.0.1" in r.output, r.output
     s = Served(shipped["dist"], "--token", "s3cret", "--queue", "1")
     try:
         url = s.url + "/client/v4/accounts/a/ai/run/@cf/cloudflare/clef"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -440,3 +441,15 @@ def test_ctrl_c_in_a_builds_gate_lands_nothing(tmp_path, tiny_source, delay):
     assert r.returncode == 130, (r.returncode, r.stderr[-3000:])
     assert "Traceback" not in r.stderr and "Fatal error" not in r.stderr, r.stderr[-3000:]
     assert not out.exists(), list(out.rglob("*"))
+
+
+def test_verify_refuses_an_edited_manifest_before_its_numeric_work(two_chunk, release, tmp_path):
+    """Issue 48: a backbone manifest edited after the build (hidden_size 64 -> 74) passed every bar;
+    verify now refuses it at once, naming the file, as verify-artifact does."""
+    bundle = tmp_path / two_chunk["bundle"].name
+    shutil.copytree(two_chunk["bundle"], bundle)
+    meta = bundle / "metadata.json"
+    meta.write_text(meta.read_text().replace('"hidden_size": 64', '"hidden_size": 74', 1))
+    res = invoke("verify", bundle, "--source", release)
+    assert res.exit_code == 3 and f"{meta}: sha256 differs from build-record.json (edited after the build)" in res.output, res.output
+    assert "gate:" not in res.output and "reference" not in res.output, "refused before any numeric work"

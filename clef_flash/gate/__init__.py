@@ -91,6 +91,9 @@ def verify(opts: GateOptions, log=lambda msg: None):
                              f"{gate.FIXED_RECORDS}")
     if opts.recorded is not None and not Path(opts.recorded).is_file():
         raise UsageError(f"{opts.recorded}: recorded records not found")
+    from .artifact import check_recorded_small_files
+
+    check_recorded_small_files(opts.bundle)  # an edited manifest is refused before any numeric work
     manifest = gate.manifest_of(opts.bundle)
     return gate.run(opts, manifest, pins_for(opts.bundle, manifest, gate, opts.source, opts.pins), log)
 

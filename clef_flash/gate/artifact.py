@@ -33,6 +33,26 @@ def check_bundle(bundle: Path) -> tuple[BaseModel, Backend, Path, list[tuple[str
     return manifest, fmt, asset, fmt.check_files(manifest, asset)
 
 
+def check_recorded_small_files(bundle: Path, limit: int = 64 * 1024 * 1024) -> None:
+    """The bundle's files under ``limit`` bytes (manifests, tokenizer, plan: what a hand edits)
+    against the build record, before a gate's numeric work; the asset's weights are the gate's own
+    check. ``IntegrityError`` naming the first that differs."""
+    from ..digest import sha256_file
+
+    bundle = Path(bundle)
+    record_path = bundle / RECORD_FILE
+    if not record_path.is_file():
+        return  # a bundle being built: its record comes after the gate
+    try:
+        expected: dict[str, str] = json.loads(record_path.read_text())["outputs"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise IntegrityError(f"{record_path}: unreadable build record ({exc})") from None
+    for name, want in sorted(expected.items()):
+        path = bundle / name
+        if path.is_file() and path.stat().st_size < limit and sha256_file(path) != want:
+            raise IntegrityError(f"{path}: sha256 differs from {RECORD_FILE} (edited after the build)")
+
+
 def check_record(bundle: Path) -> int:
     """Every file of the bundle against the build record's digests (any model); the file count."""
     bundle = Path(bundle)

@@ -48,6 +48,21 @@ def check_bind(cfg: ServeConfig) -> None:
         raise UsageError(f"--queue {cfg.queue}: at least 1")
 
 
+def _bound(cfg: ServeConfig):
+    import socket
+
+    host = "127.0.0.1" if cfg.host == "localhost" else cfg.host
+    family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, cfg.port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"--port {cfg.port}: cannot listen on {host}:{cfg.port} ({exc.strerror or exc})") from None
+    return sock
+
+
 def envelope(result: Any = None, status: int = 200, message: str | None = None):
     from starlette.responses import JSONResponse
 
@@ -100,8 +115,8 @@ class Service:
             body = json.loads(raw)
         except ValueError as exc:
             return envelope(status=400, message=f"body: not JSON ({exc})")
-        if self.waiting >= self.cfg.queue:
-            return envelope(status=503, message=f"{self.waiting} requests waiting; retry later")
+        if self.waiting > self.cfg.queue:  # one in flight and ``queue`` behind it
+            return envelope(status=503, message=f"{self.waiting - 1} requests waiting behind the one answered; retry later")
         self.waiting += 1
         try:
             async with self.lock:
@@ -169,6 +184,7 @@ def serve(cfg: ServeConfig, log=lambda msg: None) -> dict[str, Any]:
     from .dist import open_dist
 
     check_bind(cfg)
+    sock = _bound(cfg)  # a port in use is said now, before the release is hashed and loaded
     dist = open_dist(cfg.dist, cfg.cache, log)
     box: dict[str, Any] = {"config": cfg, "dist": dist}
 
@@ -187,7 +203,10 @@ def serve(cfg: ServeConfig, log=lambda msg: None) -> dict[str, Any]:
     server = Server(config)
     log(f"serving {dist.root} on http://{cfg.host}:{cfg.port}{PREFIX}/accounts/<account>/ai/run/@cf/cloudflare/"
         f"<clef|clef-flash> (Ctrl-C: finish what is in flight, then stop)")
-    asyncio.run(server.serve())
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        sock.close()
     if not server.started:
         raise UsageError(f"could not serve on {cfg.host}:{cfg.port} (in use, or the model did not load)")
     service = box.get("service")
