@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     dist = Path(argv[0])
     checks = [Path(argv[i + 1]) for i, a in enumerate(argv) if a == "--check"]
     port = _port()
-    serve = subprocess.Popen([EXE, "serve", str(dist), "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    serve = subprocess.Popen([EXE, "serve", str(dist), "--port", str(port)], stdout=subprocess.DEVNULL, stderr=None)  # its lines to ours
     try:
         deadline = time.time() + 300
         while True:

@@ -244,14 +244,17 @@ class Served:
     def __init__(self, dist: Path, *extra: str):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        import tempfile
+
+        self.log = tempfile.TemporaryFile(mode="w+")  # its per-request lines: a pipe nobody reads would fill
         self.proc = subprocess.Popen([EXE, "serve", str(dist), "--port", str(self.port), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         import httpx
 
         deadline = time.time() + 300
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(self.proc.stderr.read()[-3000:])
+                raise AssertionError(self.stop()[1][-3000:])
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return
@@ -262,8 +265,9 @@ class Served:
     def stop(self) -> tuple[int, str]:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-        _, err = self.proc.communicate(timeout=120)
-        return self.proc.returncode, err
+        code = self.proc.wait(timeout=120)
+        self.log.seek(0)
+        return code, self.log.read()
 
 
 @pytest.fixture(scope="module")

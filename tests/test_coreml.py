@@ -22,7 +22,7 @@ from clef_flash.gate.head import VerifyConfig, verify_bundle
 from clef_flash.head.backends import load_manifest
 from clef_flash.head.mlpackage import Manifest as MlpackageManifest
 
-from .conftest import ROOT, build_bundle
+from .conftest import ROOT, build_bundle, rerecord
 
 RECIPE = ROOT / "conversion" / "head_bucket_fp16w32_mlpackage.toml"
 SCHEMA = ROOT / "manifests" / "metadata-mlpackage.schema.json"
@@ -155,6 +155,10 @@ def test_verify_exits_4_when_a_stored_weight_differs_from_the_author(package_cop
     meta = json.loads((package_copy / "metadata.json").read_text())
     meta["export"]["weight_bin"]["sha256"] = sha256_file(weight)
     (package_copy / "metadata.json").write_text(json.dumps(meta))
+    r = CliRunner().invoke(app, ["verify", str(package_copy), "--source", str(tiny_source),
+                                 "--pins", str(tiny_source / "pins.json")])
+    assert r.exit_code == 3 and "metadata.json: sha256 differs from build-record.json" in r.output, r.output
+    rerecord(package_copy)
     r = CliRunner().invoke(app, ["verify", str(package_copy), "--source", str(tiny_source),
                                  "--pins", str(tiny_source / "pins.json")])
     assert r.exit_code == 4, r.output

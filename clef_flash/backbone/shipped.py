@@ -46,13 +46,24 @@ class ShippedBackbone(OpenedBundle):  # manifest: BackboneManifest
         return None
 
 
-def read_backbone(bundle: Path, hidden_size: int, hashed: bool = True) -> ShippedBackbone:
-    """The bundle checked on its own (files, descriptor, hidden size); ``IntegrityError`` naming the
-    first file that is not right. ``hashed=False``: main.mlirb's digest already checked by the caller."""
+def read_backbone(bundle: Path, hidden_size: int, hashed: bool = True, release: Path | None = None,
+                  digests: dict[str, str] | None = None) -> ShippedBackbone:
+    """The bundle checked (files, ``release``'s when given, hidden size, descriptor); ``IntegrityError``
+    naming the first file that is not right. ``hashed=False``: main.mlirb's digest already checked by
+    the caller (a release's SHA256SUMS)."""
     from .bundle import check_files, descriptor_checks
 
     bundle = Path(bundle)
     m, asset, checks = check_files(bundle, hashed=hashed)
+    if release is not None:  # which release it came from is said before any other mismatch
+        release = Path(release)
+        checks.append(check_built_from(bundle, release, m.source.files, "backbone", digests))
+        for name, want in sorted(m.tokenizer.items()):
+            path = release / name
+            if not path.is_file() or sha256_file(path) != want:
+                raise IntegrityError(f"{path}: missing or differs from {bundle}/tokenizer/{name}: the host would "
+                                     f"tokenize otherwise than the author")
+        checks.append(("release tokenizer = bundle's tokenizer/", True, f"{plural(len(m.tokenizer), 'file')}"))
     if m.language.hidden_size != hidden_size:
         raise IntegrityError(f"{bundle}: hidden rows of {m.language.hidden_size} values; the head takes {hidden_size}")
     desc = descriptor_checks(asset, m)
@@ -65,17 +76,7 @@ def read_backbone(bundle: Path, hidden_size: int, hashed: bool = True) -> Shippe
 def open_backbone(bundle: Path, release: Path, hidden_size: int, digests: dict[str, str] | None = None) -> ShippedBackbone:
     """The bundle checked, and checked to be this release's backbone; ``IntegrityError`` naming the
     first file that is not."""
-    bundle, release = Path(bundle), Path(release)
-    bb = read_backbone(bundle, hidden_size)
-    m, checks = bb.manifest, []
-    checks.append(check_built_from(bundle, release, m.source.files, "backbone", digests))
-    for name, want in sorted(m.tokenizer.items()):
-        path = release / name
-        if not path.is_file() or sha256_file(path) != want:
-            raise IntegrityError(f"{path}: missing or differs from {bundle}/tokenizer/{name}: the host would tokenize "
-                                 f"otherwise than the author")
-    checks.append(("release tokenizer = bundle's tokenizer/", True, f"{plural(len(m.tokenizer), 'file')}"))
-    return ShippedBackbone(bundle=bundle, asset=bb.asset, manifest=m, checks=bb.checks + checks)
+    return read_backbone(bundle, hidden_size, release=release, digests=digests)
 
 
 def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | None = None,
