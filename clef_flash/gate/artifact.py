@@ -47,10 +47,9 @@ def check_recorded_small_files(bundle: Path, limit: int = 64 * 1024 * 1024) -> N
         expected: dict[str, str] = json.loads(record_path.read_text())["outputs"]
     except (ValueError, KeyError, TypeError) as exc:
         raise IntegrityError(f"{record_path}: unreadable build record ({exc})") from None
-    assets = ("aimodel", "mlpackage", "aimodelc")
     for name, want in sorted(expected.items()):
         path = bundle / name
-        if name.split("/")[0].rsplit(".", 1)[-1] in assets:
+        if "/" in name and name.split("/")[0].startswith(bundle.name + "."):  # the asset folder, of any format
             continue
         if path.is_file() and path.stat().st_size < limit and sha256_file(path) != want:
             raise IntegrityError(f"{path}: sha256 differs from {RECORD_FILE} (edited after the build)")
