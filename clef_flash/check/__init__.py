@@ -220,12 +220,12 @@ class HostEncoder:
     def image_tokens(self, req) -> int:
         from ..vision.contract import read_preprocessing, read_vision_config
         from ..vision.preprocess import open_image, target_grid
-        from ..vision.shipped import _bounds
+        from ..vision.shipped import pixel_bounds
 
         if self._pre is None:
             self._pre = read_preprocessing(self.release, read_vision_config(self.release))
         width, height = open_image(req.images[0]).size
-        return target_grid(width, height, self._pre, **_bounds(req.body.get("media_kwargs"))).tokens
+        return target_grid(width, height, self._pre, **pixel_bounds(req.body.get("media_kwargs"))).tokens
 
     def encode(self, req):
         from ..host.encode import encode

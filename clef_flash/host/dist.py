@@ -133,9 +133,7 @@ def open_checked(root: Path, sums: dict[str, str]) -> Dist:
     bad = [f"{n}: {d}" for n, ok, d in checks if not ok]
     if bad:
         raise IntegrityError(f"{found['head'][0]}: {bad[0]}")
-    hidden = manifest.head.config.hidden_size if hasattr(manifest.head, "config") else None
-    backbone = read_backbone(found["backbone"][0], hidden if hidden is not None else _hidden_of(found["backbone"][0]),
-                             hashed=False)
+    backbone = read_backbone(found["backbone"][0], _head_hidden(manifest), hashed=False)
     vision = read_vision(found["vision"][0], backbone.manifest.language.hidden_size) if found["vision"] else None
     table = root / HOST_DIR / TABLE_FILE
     if not table.is_file():
@@ -152,5 +150,6 @@ def open_checked(root: Path, sums: dict[str, str]) -> Dist:
                 tokenizer=tokenizer)
 
 
-def _hidden_of(backbone_bundle: Path) -> int:
-    return int(json.loads((backbone_bundle / MANIFEST_FILE).read_text(encoding="utf-8"))["language"]["hidden_size"])
+def _head_hidden(manifest) -> int:
+    """The width of the hidden rows the head takes, from its manifest's ``hidden`` input ("[T, H] f32")."""
+    return int(manifest.head.inputs["hidden"].split(",")[1].split("]")[0])

@@ -31,10 +31,6 @@ class Answered:
     steps: dict[str, Any] | None = None  # keep=True: each step's arrays (host-vectors.jsonl)
 
 
-def _head_hidden(manifest) -> int:
-    return int(manifest.head.inputs["hidden"].split(",")[1].split("]")[0])
-
-
 class ClefHost:
     def __init__(self, dist: Dist):
         from ..manifest import pads
@@ -104,7 +100,7 @@ class ClefHost:
     def _prepare_image(self, image: Image):
         from ..vision.host import choose_bucket
         from ..vision.preprocess import pixel_patches
-        from ..vision.shipped import PreparedImage, _bounds
+        from ..vision.shipped import PreparedImage, pixel_bounds
 
         vision, bb = self.dist.vision, self.dist.backbone.manifest
         if vision is None:
@@ -112,7 +108,7 @@ class ClefHost:
         if bb.interface.vision is None:
             raise RequestError("images", f"{self.dist.backbone.bundle.name} is a text-only decoder", 422)
         try:
-            patches, grid = pixel_patches(image.pil, vision.pre, **_bounds(image.media_kwargs))
+            patches, grid = pixel_patches(image.pil, vision.pre, **pixel_bounds(image.media_kwargs))
         except (ValueError, TypeError) as exc:
             raise RequestError("media_kwargs", str(exc), 400) from None
         bucket = choose_bucket(grid.tokens, vision.buckets)

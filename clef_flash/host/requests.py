@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-QUESTION_TYPES = ("noul", "choice", "score")
-MEDIA_KWARGS = ("max_pixels", "min_pixels", "size")  # what the image processor honours per request
-MAX_IMAGES = 1  # the decoder takes one image a request (the published port's interface)
+from ..sources.requests import MAX_IMAGES, MEDIA_KWARGS, QUESTION_TYPES
+
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an encoded image's bytes
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # its decoded pixels: past it Pillow's bomb check, not a resize, answers
 DATA_URL = re.compile(r"^data:(?P<type>image/[\w.+-]+)?(?:;[\w=.+-]+)*;base64,(?P<data>.*)$", re.S)

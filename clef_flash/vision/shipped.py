@@ -65,7 +65,7 @@ def open_vision(bundle: Path, release: Path, hidden_size: int, digests: dict[str
     return v
 
 
-def _bounds(media_kwargs: dict[str, Any] | None) -> dict[str, int | None]:
+def pixel_bounds(media_kwargs: dict[str, Any] | None) -> dict[str, int | None]:
     """The request's pixel bounds as the processor reads them (``size`` or min / max_pixels)."""
     kw = dict(media_kwargs or {})
     size = kw.get("size") or {}
@@ -77,7 +77,7 @@ def prepare(vision: ShippedVision, file: Path, media_kwargs: dict[str, Any] | No
     from .host import choose_bucket
     from .preprocess import open_image, pixel_patches
 
-    patches, grid = pixel_patches(open_image(file), vision.pre, **_bounds(media_kwargs))
+    patches, grid = pixel_patches(open_image(file), vision.pre, **pixel_bounds(media_kwargs))
     return PreparedImage(file=file, patches=patches, grid=grid, bucket=choose_bucket(grid.tokens, vision.buckets))
 
 
