@@ -398,6 +398,8 @@ def plan_weights_cmd(
     requests: Annotated[Optional[Path], typer.Option("--requests", help="JSONL of SystemOne request bodies: the calibration records (default: the project's set, conversion/requests.jsonl).")] = None,
     budget_dp: Annotated[Optional[float], typer.Option("--budget-dp", help="The end-to-end bar the chosen set meets: max |dp| over every option (default: the recipe's plan_budget_dp, 0.02).")] = None,
     records: Annotated[Optional[int], typer.Option("--records", help="At most this many calibration records (default: the recipe's plan_records, else every request).")] = None,
+    device: Annotated[str, typer.Option("--device", help="Where the plan's arithmetic runs: auto (CUDA, then Apple's MPS, then the CPU), cpu, cuda, mps. fp32 on each.")] = "auto",
+    exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Rank the layers by one end-to-end pass each (the oracle, layers squared) instead of the one-pass first-order estimate.")] = False,
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -407,7 +409,8 @@ def plan_weights_cmd(
 
     def go():
         cfg = PlanConfig(release=release, recipe=load_recipe(recipe), recipe_path=recipe, pins_path=_pins(pins, release),
-                         out=out, requests=requests, budget_dp=budget_dp, records=records, overwrite=overwrite)
+                         out=out, requests=requests, budget_dp=budget_dp, records=records, overwrite=overwrite,
+                         device=device, exhaustive=exhaustive)
         return plan_weights(cfg, log=_log)
 
     plan = _run(go)

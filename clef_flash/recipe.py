@@ -126,6 +126,8 @@ class BackboneRecipe(BaseModel):
     plan_budget_dp: float = Field(default=0.02, gt=0, le=1)  # "auto": the end-to-end bar the plan meets
     # "auto": the calibration records the plan measures on (the first N requests; None: every one)
     plan_records: int | None = Field(default=None, ge=1)
+    # "auto": where the plan's arithmetic runs (auto: CUDA, then Apple's MPS, then the CPU; fp32 throughout)
+    plan_device: Literal["auto", "cpu", "cuda", "mps"] = "auto"
     # NMAX: the image rows the decoder takes (the published port's four image inputs; 1,024 at 9B);
     # 0: a text-only decoder (input_ids and position_ids only)
     image_rows: int = Field(default=0, ge=0, le=65536)

@@ -51,6 +51,31 @@ def tiny_source_other(tmp_path_factory, author_code) -> Path:
     return _synth(tmp_path_factory, author_code, "tiny", 1)
 
 
+@pytest.fixture(scope="session")
+def make_tiny(tmp_path_factory):
+    """``make_tiny(seed) -> release``: a release written by clef-finetune's own ``make-tiny`` (its
+    environment apart from ours, torch from the registry with torchvision: ``make finetune-env``,
+    which ``make test`` runs first; ``CLEF_FINETUNE`` names its command), pinned. Once per seed."""
+    import subprocess
+
+    from clef_flash.sources.pinning import pin_local
+
+    exe = os.environ.get("CLEF_FINETUNE") or str(ROOT / ".cache" / "finetune-env" / "bin" / "clef-finetune")
+    if not Path(exe).is_file():
+        pytest.fail(f"{exe}: clef-finetune's command not found; run `make finetune-env` (make test does)")
+    made: dict[int, Path] = {}
+
+    def make(seed: int) -> Path:
+        if seed not in made:
+            out = tmp_path_factory.mktemp(f"make-tiny-{seed}") / f"make_tiny_{seed}"
+            res = subprocess.run([exe, "make-tiny", str(out), "--seed", str(seed)], capture_output=True, text=True)
+            assert res.returncode == 0, res.stderr[-2000:]
+            pin_local(out, name=out.name)
+            made[seed] = out
+        return made[seed]
+    return make
+
+
 def build_bundle(source: Path, out: Path, recipe: Path = TINY_RECIPE, verify: bool = False, **kw) -> Path:
     from clef_flash.build import BuildConfig, build
     from clef_flash.recipe import load_recipe

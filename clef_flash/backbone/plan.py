@@ -14,7 +14,7 @@ from pydantic import Field, ValidationError
 from ..errors import IntegrityError, UsageError, first_validation_error
 from ..manifest import Strict
 
-PLAN_VERSION = "0.1"
+PLAN_VERSION = "0.2"
 SCHEMA_FILE = "weight-plan.schema.json"
 PLAN_FILE = "weight-plan.json"  # in a bundle built with fp16_layers = "auto": the plan its build chose
 
@@ -24,7 +24,11 @@ class LayerSensitivity(Strict):
     kind: Literal["linear_attention", "full_attention"]
     rel_max_abs_d: float  # the layer's output with its linears compressed vs fp16, on the same inputs
     rel_rms_d: float
-    alone_max_abs_dp: float  # end to end with this layer alone compressed: the ranking's key
+    # the first-order max |dp| with this layer alone compressed: its own error against the answers'
+    # gradients at its output (one reverse sweep); the ranking's key unless ranked_by is "exhaustive"
+    estimated_dp: float | None = None
+    fisher: float | None = None  # the diagonal Fisher term sum((g * d)**2), the worst answer: reported, not ranked by
+    alone_max_abs_dp: float | None = None  # measured end to end with this layer alone compressed (--exhaustive)
     compressed_bytes: int = Field(ge=0)
     fp16_bytes: int = Field(ge=0)
 
@@ -34,6 +38,7 @@ class Trial(Strict):
     max_abs_dp: float  # end to end: the head's probabilities, compressed backbone vs the release's
     mean_abs_dp: float
     passes: bool
+    estimated_max_abs_dp: float | None = None  # the first-order estimate of the same set, for comparison
 
 
 class PlanScheme(Strict):
@@ -49,8 +54,13 @@ class WeightPlan(Strict):
     release: dict[str, Any]  # hf_id, revision, files (the checkpoint's sha256 the plan measured)
     scheme: PlanScheme
     calibration: dict[str, Any]  # requests file + sha256, records, tokens
+    # how the ranking was made: "first-order" (estimated_dp, one reverse sweep) or "exhaustive"
+    # (alone_max_abs_dp, one end-to-end pass a layer); plans before 0.2 were all exhaustive
+    ranked_by: Literal["first-order", "exhaustive"] = "exhaustive"
+    device: str = "cpu"  # where the plan's arithmetic ran (fp32, TF32 off)
+    kendall_tau: float | None = None  # the first-order ranking against the exhaustive one (--exhaustive only)
     budget_dp: float
-    ranking: list[int]  # layers, most sensitive first (by alone_max_abs_dp, then rel_max_abs_d)
+    ranking: list[int]  # layers, most sensitive first (by the ranked_by figure, then rel_max_abs_d)
     layers: list[LayerSensitivity]
     trials: list[Trial]
     chosen: list[int]  # the layers kept fp16: the smallest set of the ranking's head that met the budget

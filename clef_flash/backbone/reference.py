@@ -6,6 +6,7 @@ How it works: docs/modules.md."""
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -14,22 +15,24 @@ from .contract import LM
 from ..engine.streamed_weights import TensorInfo, as_f32, locate
 
 
-def _read(folder: Path, t: TensorInfo, dtype):
+def _read(folder: Path, t: TensorInfo, dtype, device="cpu"):
     import torch
 
     with open(folder / t.file, "rb") as fh:
         fh.seek(t.offset)
         raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
-    return torch.from_numpy(as_f32(raw, t.dtype).reshape(t.shape).copy()).to(dtype)
+    return torch.from_numpy(as_f32(raw, t.dtype).reshape(t.shape).copy()).to(device=device, dtype=dtype)
 
 
 class StreamedTextModel:
     """``rows(ids) -> hidden [T, H]`` fp32: transformers' text model, one layer in memory at a time."""
 
-    def __init__(self, source: Path, dtype=None, weights=None) -> None:
+    def __init__(self, source: Path, dtype=None, weights=None, device="cpu", hold: bool = False) -> None:
         """``dtype``: torch.float32 (the gate's) or torch.float64 (how far fp32 itself is from exact).
         ``weights``: name -> fp32 array or None, for tensors read from elsewhere than the release (a
-        compressed asset's own dequantized weights: ``asset_readback.dequantized``), one layer at a time."""
+        compressed asset's own dequantized weights: ``asset_readback.dequantized``), one layer at a time.
+        ``device``: where the arithmetic runs (the plan's ``--device``); ``hold``: the release's
+        weights stay there once read (a device the whole model fits on), else streamed."""
         import torch
 
         from ..sources.reference import import_reference
@@ -43,21 +46,25 @@ class StreamedTextModel:
         self.source = Path(source)
         self.dtype = dtype or torch.float32
         self.weights = weights
+        self.device = torch.device(device)
+        self.hold = hold
+        self._held: dict[str, object] = {}  # hold: name -> the release's tensor on the device
+        self._manual: set[int] = set()  # layers loaded by ``layer_loaded``: the hooks leave them be
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             config = Qwen3_5Config.from_pretrained(self.source).text_config
             with torch.device("meta"):
                 model = Qwen3_5TextModel(config)
             model.rotary_emb = Qwen3_5TextRotaryEmbedding(config=config)  # its tables computed on the CPU
-            model.rotary_emb.to(self.dtype)
+            model.rotary_emb.to(device=self.device, dtype=self.dtype)
         self.model = model.eval()
         wanted = {f"{LM}{n}": tuple(p.shape) for n, p in model.named_parameters()}
         self.infos = locate(self.source, wanted)
         self._load(model.norm, "norm.")
         self._start: tuple[int, object] | None = None  # ``rows(start=...)``: (layer, the hidden states entering it)
         for i, layer in enumerate(model.layers):
-            layer.register_forward_pre_hook(lambda mod, args, prefix=f"layers.{i}.", i=i: None if self._skipped(i) else self._load(mod, prefix))
-            layer.register_forward_hook(lambda mod, args, out: self._drop(mod))
+            layer.register_forward_pre_hook(lambda mod, args, prefix=f"layers.{i}.", i=i: None if self._skipped(i) or i in self._manual else self._load(mod, prefix))
+            layer.register_forward_hook(lambda mod, args, out, i=i: None if i in self._manual else self._drop(mod))
             layer.forward = self._skipping(i, layer.forward)
 
     def _skipped(self, i: int) -> bool:
@@ -74,16 +81,37 @@ class StreamedTextModel:
             return forward(hidden_states, *args, **kwargs)
         return run
 
-    def _load(self, module, prefix: str) -> None:
+    def _load(self, module, prefix: str, weights=None) -> None:
         import torch
 
+        weights = weights if weights is not None else self.weights
         for name, p in list(module.named_parameters()):
             owner, _, attr = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
             full = f"{LM}{prefix}{name}"
-            other = self.weights(full) if self.weights is not None else None
-            value = torch.from_numpy(other).to(self.dtype) if other is not None else _read(self.source, self.infos[full], self.dtype)
+            other = weights(full) if weights is not None else None
+            if other is not None:
+                value = torch.from_numpy(other).to(device=self.device, dtype=self.dtype)
+            elif full in self._held:
+                value = self._held[full]
+            else:
+                value = _read(self.source, self.infos[full], self.dtype, self.device)
+                if self.hold:
+                    self._held[full] = value
             target._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+
+    @contextmanager
+    def layer_loaded(self, i: int, weights=None):
+        """Layer ``i`` with its weights in place for calls made by hand (the plan's reverse sweep):
+        read once for the block, ``weights`` (name -> fp32 array or None) where given, dropped after."""
+        layer = self.model.layers[i]
+        self._load(layer, f"layers.{i}.", weights)
+        self._manual.add(i)
+        try:
+            yield layer
+        finally:
+            self._manual.discard(i)
+            self._drop(layer)
 
     def _drop(self, module) -> None:
         import torch
@@ -100,7 +128,7 @@ class StreamedTextModel:
         table = np.memmap(self.source / t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
         rows = table.reshape(t.shape[0], -1)[np.asarray(ids, dtype=np.int64)]
         values = as_f32(np.ascontiguousarray(rows).reshape(-1), t.dtype).reshape(len(ids), t.shape[1])
-        return torch.from_numpy(values).to(self.dtype)
+        return torch.from_numpy(values).to(device=self.device, dtype=self.dtype)
 
     def rows(self, ids: np.ndarray, image=None, start: tuple[int, np.ndarray] | None = None) -> np.ndarray:
         """The final-norm rows of ``ids``; with ``image`` (``host.ImageSpan``), what transformers'
@@ -111,7 +139,7 @@ class StreamedTextModel:
         import torch
 
         if start is not None and start[0] > 0:
-            self._start = (start[0], torch.from_numpy(np.asarray(start[1])).to(self.dtype)[None])
+            self._start = (start[0], torch.from_numpy(np.asarray(start[1])).to(device=self.device, dtype=self.dtype)[None])
         try:
             return self._rows(ids, image)
         finally:
@@ -124,12 +152,12 @@ class StreamedTextModel:
         kwargs = {}
         if image is not None:
             n = image.tokens
-            embeds[image.start:image.start + n] = torch.from_numpy(np.asarray(image.rows, np.float32)).to(self.dtype)
-            kwargs["position_ids"] = self.positions(len(ids), image)
+            embeds[image.start:image.start + n] = torch.from_numpy(np.asarray(image.rows, np.float32)).to(device=self.device, dtype=self.dtype)
+            kwargs["position_ids"] = self.positions(len(ids), image).to(self.device)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             out = self.model(inputs_embeds=embeds[None], **kwargs).last_hidden_state[0]
-        return out.float().numpy() if self.dtype == torch.float32 else out.numpy()
+        return out.float().cpu().numpy() if self.dtype == torch.float32 else out.cpu().numpy()
 
     def positions(self, length: int, image):
         """``(3, 1, T)`` positions from transformers' ``Qwen3_5Model.get_rope_index`` (called on a

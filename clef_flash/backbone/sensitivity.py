@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import LM
 from .contract import layer_of
 from ..engine.streamed_weights import TensorInfo, raw_blocks, scale_exponent
 
@@ -95,72 +94,20 @@ class LayerOutputs:
         self.close()
 
 
-def layer_errors(source: Path, records: list[np.ndarray], infos: dict[str, TensorInfo], scheme, compressed: list[str],
-                 scaled: bool, tick=lambda: None, outputs: LayerOutputs | None = None) -> tuple[dict[int, dict[str, float]], list[np.ndarray]]:
-    """Per decoder layer: its output error with its linears compressed (``rel_max_abs_d``,
-    ``rel_rms_d``; the worst over the records), and the uncompressed hidden rows of every record;
-    each layer's uncompressed output kept in ``outputs`` where given."""
-    import torch
-
-    from .reference import StreamedTextModel
-
-    ref = StreamedTextModel(source)
-    by_layer: dict[int, list[str]] = {}
-    for n in compressed:
-        by_layer.setdefault(layer_of(n), []).append(n)
-    errors: dict[int, dict[str, float]] = {}
-    current = [0]  # the record being run
-
-    def hook(index: int):
-        def after(module, args, kwargs, output):
-            want = output[0] if isinstance(output, tuple) else output
-            if outputs is not None:
-                outputs.put(index, current[0], want[0].numpy())
-            names = by_layer.get(index)
-            if not names:
-                return None
-            kept = {}
-            prefix = f"{LM}layers.{index}."
-            for full in names:
-                owner, _, attr = full[len(prefix):].rpartition(".")
-                target = module.get_submodule(owner)
-                kept[(owner, attr)] = target._parameters[attr]
-                value = dequantized_release(ref.source, ref.infos[full], scheme, scaled)
-                target._parameters[attr] = torch.nn.Parameter(torch.from_numpy(value), requires_grad=False)
-            got = module.forward(*args, **kwargs)
-            got = got[0] if isinstance(got, tuple) else got
-            for (owner, attr), p in kept.items():
-                module.get_submodule(owner)._parameters[attr] = p
-            top = max(float(want.abs().max()), 1e-30)
-            d = (got - want).abs()
-            e = errors.setdefault(index, {"rel_max_abs_d": 0.0, "rel_rms_d": 0.0})
-            e["rel_max_abs_d"] = max(e["rel_max_abs_d"], float(d.max()) / top)
-            e["rel_rms_d"] = max(e["rel_rms_d"], float(d.pow(2).mean().sqrt()) / top)
-            return None
-        return after
-
-    for i, layer in enumerate(ref.model.layers):  # before the reference's own hook drops the layer's weights
-        layer.register_forward_hook(hook(i), with_kwargs=True, prepend=True)
-    rows = []
-    for r, ids in enumerate(records):
-        current[0] = r
-        rows.append(ref.rows(ids))
-        tick()
-    return errors, rows
-
-
-def rows_with(source: Path, records: list[np.ndarray], deq: Dequantizer, compressed_layers: set[int], tick=lambda: None,
+def rows_with(ref, records: list[np.ndarray], deq: Dequantizer, compressed_layers: set[int], tick=lambda: None,
               outputs: LayerOutputs | None = None):
-    """Every record's hidden rows with ``compressed_layers``' linears dequantized (fp32 eager); with
-    the uncompressed pass's ``outputs``, from the first compressed layer on (each layer alone: about
-    half the layers run, summed over the layers)."""
-    from .reference import StreamedTextModel
-
+    """Every record's hidden rows through ``ref`` (a ``reference.StreamedTextModel``) with
+    ``compressed_layers``' linears dequantized (fp32 eager); with the uncompressed pass's
+    ``outputs``, from the first compressed layer on (each layer alone: about half the layers run,
+    summed over the layers)."""
     deq.layers = set(compressed_layers)
-    ref = StreamedTextModel(source, weights=deq)
-    first = min(compressed_layers, default=0) if outputs is not None else 0
-    out = []
-    for r, ids in enumerate(records):
-        out.append(ref.rows(ids, start=(first, outputs.entering(first, r)) if first else None))
-        tick()
-    return out
+    ref.weights, kept = deq, ref.weights
+    try:
+        first = min(compressed_layers, default=0) if outputs is not None else 0
+        out = []
+        for r, ids in enumerate(records):
+            out.append(ref.rows(ids, start=(first, outputs.entering(first, r)) if first else None))
+            tick()
+        return out
+    finally:
+        ref.weights = kept

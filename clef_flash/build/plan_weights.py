@@ -27,17 +27,20 @@ class PlanConfig:
     records: int | None = None  # at most this many calibration records (default: every request)
     overwrite: bool = False
     checked: dict[str, str] | None = None  # file -> sha256 the caller (a build's plan) just checked against the pins
+    device: str = "auto"  # auto | cpu | cuda | mps: where the plan's arithmetic runs (fp32, TF32 off)
+    exhaustive: bool = False  # rank by one end-to-end pass per layer (the oracle) instead of the one-pass estimate
 
 
 class RowTable:
     """``lm_head.weight`` rows read from the shard when the head indexes them (a mapping: page
     cache), fp32: what the author's head reads as ``output_embedding_weight[token_ids]``."""
 
-    def __init__(self, folder: Path, t) -> None:
+    def __init__(self, folder: Path, t, device="cpu") -> None:
         from ..engine.streamed_weights import as_f32
 
         self._as_f32 = as_f32
         self.t = t
+        self.device = device
         self.table = np.memmap(Path(folder) / t.file, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.nbytes,))
 
     def __getitem__(self, ids):
@@ -45,7 +48,53 @@ class RowTable:
 
         idx = np.asarray(ids.cpu().numpy() if hasattr(ids, "cpu") else ids, dtype=np.int64).reshape(-1)
         rows = self.table.reshape(self.t.shape[0], -1)[idx]
-        return torch.from_numpy(self._as_f32(np.ascontiguousarray(rows).reshape(-1), self.t.dtype).reshape(len(idx), -1))
+        return torch.from_numpy(self._as_f32(np.ascontiguousarray(rows).reshape(-1), self.t.dtype).reshape(len(idx), -1)).to(self.device)
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where the plan's arithmetic runs: the torch device, its name for the plan file, and whether
+    the release's weights stay on it once read (they fit) or are streamed a layer at a time."""
+
+    torch_device: str
+    label: str
+    hold: bool
+
+
+def _device_name(name: str) -> str:
+    """``auto`` resolved (CUDA, then Apple's MPS, then the CPU); a device asked for by name that torch
+    does not see is refused (exit 2), before any work."""
+    import torch
+
+    if name not in ("auto", "cpu", "cuda", "mps"):
+        raise UsageError(f"--device must be auto, cpu, cuda or mps, got {name!r}")
+    cuda = torch.cuda.is_available()
+    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    if name == "cuda" and not cuda:
+        raise UsageError(f"--device cuda: torch {torch.__version__} sees no CUDA device here (--device auto picks what there is)")
+    if name == "mps" and not mps:
+        raise UsageError(f"--device mps: torch {torch.__version__} sees no Apple MPS device here (--device auto picks what there is)")
+    return name if name != "auto" else ("cuda" if cuda else "mps" if mps else "cpu")
+
+
+def pick_device(name: str, fp32_bytes: int) -> Device:
+    """Where the plan runs, and whether the release's ``fp32_bytes`` stay there. fp32 throughout:
+    TF32 off, so every device computes what the CPU does up to rounding."""
+    import torch
+
+    chosen = _device_name(name)
+    if chosen == "cpu":
+        return Device("cpu", "cpu", hold=False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    if chosen == "cuda":
+        free, _total = torch.cuda.mem_get_info()
+        label = f"cuda ({torch.cuda.get_device_name()})"
+    else:
+        free = int(torch.mps.recommended_max_memory()) - int(torch.mps.current_allocated_memory())
+        label = "mps"
+    return Device(chosen, label, hold=free > 1.5 * fp32_bytes)  # room for the activations, the dequantized layer, the head
 
 
 def _budget(cfg: PlanConfig) -> float:
@@ -66,14 +115,53 @@ def _budget(cfg: PlanConfig) -> float:
         raise UsageError(f"--budget-dp must be in (0, 1], got {budget}")
     if cfg.records is not None and cfg.records < 1:
         raise UsageError("--records must be >= 1")
+    _device_name(cfg.device)
     if not Path(cfg.release).is_dir():
         raise UsageError(f"{cfg.release}: release folder not found")
     return budget
 
 
-def _calibration(cfg: PlanConfig, source: Path, pins, requests, text):
+@dataclass
+class Calibration:
     """The calibration records (the requests encoded by the author's ``encode_record`` with the
-    release's tokenizer), and ``probs(rows)``: every option's probability through the release's head."""
+    release's tokenizer) and the release's head (the author's ``JointSchemaHead``, fp32) on them."""
+
+    encoded: list
+    records: list[np.ndarray]
+    head: object
+    table: RowTable
+    device: str
+
+    def logits(self, r: int, rows):
+        """Record ``r``'s per-question logits from its final rows (``[1, T, H]`` on the device)."""
+        import torch
+
+        from ..backbone.estimate import one_thread
+
+        ids = torch.from_numpy(self.records[r])[None].to(self.device)
+        with one_thread():
+            return self.head(rows, ids, torch.ones_like(ids), [self.encoded[r]], self.table)[0]
+
+    def probs(self, rows: list[np.ndarray]) -> list[np.ndarray]:
+        """Every option's probability, per record (the questions' in order, concatenated)."""
+        import torch
+
+        out = []
+        with torch.inference_mode():
+            for r, h in enumerate(rows):
+                logits = self.logits(r, torch.from_numpy(np.ascontiguousarray(h))[None].to(self.device))
+                out.append(np.concatenate([q.float().softmax(-1).cpu().numpy() for q in logits]))
+        return out
+
+    def option_probs(self, r: int, rows):
+        """Record ``r``'s every option's probability (the questions' in order, one 1-D tensor) from
+        its final rows, with grad: what the budget's max |dp| is taken over."""
+        import torch
+
+        return torch.cat([q.float().softmax(-1) for q in self.logits(r, rows)])
+
+
+def _calibration(cfg: PlanConfig, source: Path, pins, requests, text, device: str) -> Calibration:
     import torch
 
     from ..engine.streamed_weights import locate
@@ -96,18 +184,9 @@ def _calibration(cfg: PlanConfig, source: Path, pins, requests, text):
         encoded = encoded[:limit]
     records = [np.asarray(e.input_ids, dtype=np.int64) for e in encoded]
     lm = locate(source, {"lm_head.weight": (text.vocab_size, text.hidden_size)}).get("lm_head.weight")
-    table = RowTable(source, lm)
-
-    def probs(rows: list[np.ndarray]) -> list[np.ndarray]:
-        out_p = []
-        with torch.inference_mode():
-            for e, ids, h in zip(encoded, records, rows, strict=True):
-                logits = head(torch.from_numpy(np.ascontiguousarray(h))[None], torch.from_numpy(ids)[None],
-                              torch.ones(1, len(ids), dtype=torch.long), [e], table)[0]
-                out_p.append(np.concatenate([q.float().softmax(-1).numpy() for q in logits]))
-        return out_p
-
-    return records, probs
+    for p in head.parameters():
+        p.requires_grad_(False)
+    return Calibration(encoded, records, head.to(device), RowTable(source, lm, device), device)
 
 
 def _smallest_k(ranking: list[int], trial, trials: list) -> int:
@@ -126,6 +205,34 @@ def _smallest_k(ranking: list[int], trial, trials: list) -> int:
     return hi
 
 
+def _first_order_k(ranking: list[int], estimated, trial) -> int:
+    """The smallest k whose ``ranking[:k]`` kept fp16 the first-order estimate puts within the
+    budget, then measured: escalate (one more layer of the ranking, measured again) while the trial
+    misses; where the first trial meets, walk down while the next smaller set meets too. The result
+    is a k whose set meets the budget measured and whose k - 1 set misses it measured (or k = 0)."""
+    n = len(ranking)
+    k = next((k for k in range(n + 1) if estimated(ranking[:k])), n)
+    if trial(ranking[:k]).passes:
+        while k > 0 and trial(ranking[:k - 1]).passes:
+            k -= 1
+        return k
+    while k < n:  # escalation: the estimate was too kind
+        k += 1
+        if trial(ranking[:k]).passes:
+            return k
+    return n
+
+
+def kendall_tau(a: list[int], b: list[int]) -> float:
+    """Kendall's tau between two rankings of the same layers (1: the same order; -1: reversed):
+    pairs in the same order less pairs reversed, over all pairs (no ties: each is a permutation)."""
+    pos = {x: i for i, x in enumerate(b)}
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    if not pairs:
+        return 1.0
+    return sum(1 if pos[a[i]] < pos[a[j]] else -1 for i, j in pairs) / len(pairs)
+
+
 def _layer_bytes(infos, scheme, compressed: list[str], layers: int) -> dict[int, tuple[int, int]]:
     """Each decoder layer's weight bytes: (compressed as the scheme would, all fp16)."""
     from ..backbone.contract import layer_of
@@ -140,8 +247,10 @@ def _layer_bytes(infos, scheme, compressed: list[str], layers: int) -> dict[int,
 
 def plan_weights(cfg: PlanConfig, log=lambda m: None):
     from ..backbone.contract import compressed_names, layer_of, weight_names
+    from ..backbone.estimate import LayerCalls, forward_pass, reverse_sweep, set_estimate
     from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, Trial, WeightPlan
-    from ..backbone.sensitivity import Dequantizer, LayerOutputs, layer_errors, rows_with
+    from ..backbone.reference import StreamedTextModel
+    from ..backbone.sensitivity import Dequantizer, LayerOutputs, rows_with
     from ..backbone.source import release_config
     from ..bundle import atomic_write_json
     from ..digest import sha256_file
@@ -168,49 +277,73 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     scheme, scaled = recipe.scheme, recipe.compute == "fp32"
     compressed = compressed_names(wanted, scheme, ())
     layers = len(text.layer_types)
-    records, probs = _calibration(cfg, source, pins, requests, text)
+    device = pick_device(cfg.device, 4 * sum(int(np.prod(t.shape)) for t in infos.values()))
+    cal = _calibration(cfg, source, pins, requests, text, device.torch_device)
+    records = cal.records
+    method = "exhaustive" if cfg.exhaustive else "first-order"
 
     log(f"plan-weights: {scheme.weights} per block of {scheme.block}, {plural(len(compressed), 'tensor')} in "
         f"{layers} layers; {plural(len(records), 'calibration record')} ({sum(len(r) for r in records):,} tokens) "
-        f"from {requests_path.name}; budget max |dp| {budget:g}")
-    # every layer's uncompressed output, so a trial starts at its first compressed layer
+        f"from {requests_path.name}; budget max |dp| {budget:g}; ranked by {method}; on {device.label}"
+        f"{' (weights held)' if device.hold else ''}")
+    ref = StreamedTextModel(source, device=device.torch_device, hold=device.hold)
     with LayerOutputs() as outputs:
         t0 = time.perf_counter()
-        with progress("plan: each layer's own error", len(records), "records") as tick:
-            errors, base_rows = layer_errors(source, records, infos, scheme, compressed, scaled, tick, outputs)
-        base = probs(base_rows)
-        with_codes = sorted({layer_of(n) for n in compressed})
+        calls = LayerCalls(ref, list(text.layer_types))
+        with progress("plan: the uncompressed pass", len(records), "records") as tick:
+            base_rows = forward_pass(ref, records, outputs, calls, tick)
+        base = cal.probs(base_rows)
+        t_forward, t0 = time.perf_counter() - t0, time.perf_counter()
+        with progress("plan: each layer's own error and first-order effect, last to first", layers, "layers") as back:
+            estimates = reverse_sweep(ref, records, cal.option_probs, infos, scheme, compressed, scaled,
+                                      outputs, calls, list(text.layer_types), back)
+        t_reverse, t0 = time.perf_counter() - t0, time.perf_counter()
+        with_codes = sorted(estimates)
+        fast = sorted(with_codes, key=lambda i: (-estimates[i].estimated_dp, -estimates[i].rel_max_abs_d, i))
         deq = Dequantizer(source, infos, scheme, compressed, scaled)
         trials: list[Trial] = []
 
         def dp_with(squeezed: set[int], tick=lambda: None) -> tuple[float, float]:
             if not squeezed:
                 return 0.0, 0.0
-            rows = rows_with(source, records, deq, squeezed, tick, outputs)
-            dp = np.concatenate([np.abs(a - b) for a, b in zip(probs(rows), base, strict=True)])
+            rows = rows_with(ref, records, deq, squeezed, tick, outputs)
+            dp = np.concatenate([np.abs(a - b) for a, b in zip(cal.probs(rows), base, strict=True)])
             return (float(dp.max()), float(dp.mean())) if dp.size else (0.0, 0.0)
 
-        alone = {}
-        with progress("plan: each layer alone compressed, end to end", len(with_codes) * len(records), "records") as tick:
-            for i in with_codes:
-                alone[i] = dp_with({i}, tick)[0]
-        t_layers = time.perf_counter() - t0
-        ranking = sorted(with_codes, key=lambda i: (-alone[i], -errors[i]["rel_max_abs_d"], i))
+        alone: dict[int, float] = {}
+        if cfg.exhaustive:  # the oracle: each layer alone compressed, end to end
+            with progress("plan: each layer alone compressed, end to end", len(with_codes) * len(records), "records") as tick:
+                for i in with_codes:
+                    alone[i] = dp_with({i}, tick)[0]
+            ranking = sorted(with_codes, key=lambda i: (-alone[i], -estimates[i].rel_max_abs_d, i))
+        else:
+            ranking = fast
+        t_alone = time.perf_counter() - t0
         for i in ranking:
-            log(f"layer {i} ({text.layer_types[i]}): alone max |dp| {alone[i]:.3g}; its own output rel max |d| "
-                f"{errors[i]['rel_max_abs_d']:.3g}, rel rms {errors[i]['rel_rms_d']:.3g}")
+            e = estimates[i]
+            log(f"layer {i} ({text.layer_types[i]}): " + (f"alone max |dp| {alone[i]:.3g}; " if i in alone else "")
+                + f"estimated max |dp| {e.estimated_dp:.3g} (Fisher {e.fisher:.3g}); its own output rel max |d| "
+                f"{e.rel_max_abs_d:.3g}, rel rms {e.rel_rms_d:.3g}")
         t0 = time.perf_counter()
 
         def trial(kept: list[int], record: bool = True) -> Trial:
-            top, mean = dp_with(set(with_codes) - set(kept))
-            t = Trial(fp16_layers=sorted(kept), max_abs_dp=top, mean_abs_dp=mean, passes=top <= budget)
+            done = next((t for t in trials if t.fp16_layers == sorted(kept)), None)
+            if done is not None:  # measured already (the walk down and the proof can meet one)
+                return done
+            squeezed = set(with_codes) - set(kept)
+            top, mean = dp_with(squeezed)
+            t = Trial(fp16_layers=sorted(kept), max_abs_dp=top, mean_abs_dp=mean, passes=top <= budget,
+                      estimated_max_abs_dp=set_estimate(estimates, squeezed))
             if record:
                 trials.append(t)
-            log(f"trial: fp16 layers {sorted(kept) or 'none'}: max |dp| {top:.4g}, mean {mean:.3g} -> "
-                f"{'meets' if t.passes else 'misses'} {budget:g}")
+            log(f"trial: fp16 layers {sorted(kept) or 'none'}: max |dp| {top:.4g} (estimated {t.estimated_max_abs_dp:.3g}), "
+                f"mean {mean:.3g} -> {'meets' if t.passes else 'misses'} {budget:g}")
             return t
 
-        k = _smallest_k(ranking, trial, trials)
+        if cfg.exhaustive:
+            k = _smallest_k(ranking, trial, trials)
+        else:
+            k = _first_order_k(ranking, lambda kept: set_estimate(estimates, set(with_codes) - set(kept)) <= budget, trial)
         chosen = sorted(ranking[:k])
         met = any(t.passes and t.fp16_layers == chosen for t in trials)
         proof = None
@@ -225,16 +358,21 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
         scheme=PlanScheme(weights=scheme.weights, bits=scheme.bits, block=scheme.block, compute=recipe.compute),
         calibration={"requests": requests_path.name, "sha256": sha256_file(requests_path), "records": len(records),
                      "tokens": int(sum(len(r) for r in records)), "head": "the release's JointSchemaHead, fp32",
-                     "rows": "transformers' Qwen3.5 text model, fp32 eager, one layer in memory at a time"},
+                     "rows": "transformers' Qwen3.5 text model, fp32 eager, "
+                             + ("the weights held on the device" if device.hold else "one layer in memory at a time")},
+        ranked_by=method, device=device.label,
+        kendall_tau=kendall_tau(fast, ranking) if cfg.exhaustive else None,
         budget_dp=budget, ranking=ranking,
-        layers=[LayerSensitivity(layer=i, kind=text.layer_types[i], rel_max_abs_d=errors[i]["rel_max_abs_d"],
-                                 rel_rms_d=errors[i]["rel_rms_d"], alone_max_abs_dp=alone[i], compressed_bytes=by_layer_bytes[i][0],
-                                 fp16_bytes=by_layer_bytes[i][1]) for i in with_codes],
+        layers=[LayerSensitivity(layer=i, kind=text.layer_types[i], rel_max_abs_d=estimates[i].rel_max_abs_d,
+                                 rel_rms_d=estimates[i].rel_rms_d, estimated_dp=estimates[i].estimated_dp,
+                                 fisher=estimates[i].fisher, alone_max_abs_dp=alone.get(i),
+                                 compressed_bytes=by_layer_bytes[i][0], fp16_bytes=by_layer_bytes[i][1]) for i in with_codes],
         trials=trials, chosen=chosen, met=met, proof=proof, minimal=proof is None or not proof.passes,
         bytes={"all_compressed": asset_bytes(infos, scheme, compressed),
                "chosen": asset_bytes(infos, scheme, compressed_names(wanted, scheme, chosen)),
                "fp16": asset_bytes(infos)},
-        seconds={"layers": round(t_layers, 3), "trials": round(t_trials, 3), "total": round(time.perf_counter() - t_start, 3)},
+        seconds={"forward": round(t_forward, 3), "reverse": round(t_reverse, 3), "alone": round(t_alone, 3),
+                 "trials": round(t_trials, 3), "total": round(time.perf_counter() - t_start, 3)},
     )
     atomic_write_json(out, plan.model_dump(mode="json"))
     return plan
@@ -249,8 +387,8 @@ def plan_job(job: dict, log) -> dict:
     back to the OS before the export starts."""
     from ..recipe import BackboneRecipe
 
-    cfg = PlanConfig(release=Path(job["release"]), recipe=BackboneRecipe.model_validate(job["recipe"]),
-                     recipe_path=Path(job["recipe_path"]), pins_path=Path(job["pins_path"]), out=Path(job["out"]),
-                     checked=job["checked"])
+    recipe = BackboneRecipe.model_validate(job["recipe"])
+    cfg = PlanConfig(release=Path(job["release"]), recipe=recipe, recipe_path=Path(job["recipe_path"]),
+                     pins_path=Path(job["pins_path"]), out=Path(job["out"]), checked=job["checked"], device=recipe.plan_device)
     plan = plan_weights(cfg, log)
     return {"chosen": plan.chosen, "met": plan.met, "minimal": plan.minimal, "seconds": plan.seconds}

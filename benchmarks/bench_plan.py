@@ -1,0 +1,108 @@
+"""`make bench-plan`: how long ``plan-weights`` takes (issue 47), the one-pass ranking against the
+exhaustive one (the oracle).
+
+1. a tiny release (``--tiny``: clef-finetune's ``make-tiny``), the project's requests, every one of
+   them: the default (first-order) plan and ``--exhaustive``, each watched as a process tree (wall,
+   peak anonymous + shared memory); their chosen sets and Kendall's tau;
+2. the real-width slice of the 9B (``--slice``, 4 layers), ``--plan-records`` of the project's
+   requests, the default plan at the recipe's budget and at ``--tight-budget`` (one the all-int8
+   slice misses, so trials and the proof run); the 9B projected from each: the forward and the
+   reverse sweep grow with the layers (x8), each trial too (x8), their number as here;
+3. where it ran: the device (``--device``, default auto: a GPU where there is one).
+
+Writes ``benchmarks/results/plan-latest.json``; exits 1 when a command failed, a plan does not prove
+its choice (``backbone.plan.plan_problems``), or the two tiny plans chose different sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from memwatch import watch  # noqa: E402
+
+EXE = Path(sys.executable).parent / "clef-export"
+LAYERS_9B = 32
+
+
+def _plan(release: Path, work: Path, tag: str, *extra: str) -> dict:
+    out = work / f"{tag}.json"
+    cmd = [str(EXE), "plan-weights", str(release), "--recipe", str(ROOT / "conversion" / "backbone_pf64_int8.toml"),
+           "--out", str(out), "--overwrite", "--json", *extra]
+    with open(work / f"{tag}.out", "wb") as so, open(work / f"{tag}.err", "wb") as se:
+        w = watch(cmd, 0.05, so, se)
+    row = {"rc": w["rc"], "wall": round(w["wall"], 1), "peak_anon_shmem_mib": round(w["peak_anon_shmem_mib"], 1),
+           "stderr_tail": (work / f"{tag}.err").read_text().splitlines()[-14:]}
+    if w["rc"] == 0:
+        from clef_flash.backbone.plan import load_plan, plan_problems
+
+        plan = load_plan(out)
+        row.update({"chosen": plan.chosen, "ranking": plan.ranking, "ranked_by": plan.ranked_by, "device": plan.device,
+                    "kendall_tau": plan.kendall_tau, "seconds": plan.seconds, "records": plan.calibration["records"],
+                    "tokens": plan.calibration["tokens"], "budget_dp": plan.budget_dp, "met": plan.met, "minimal": plan.minimal,
+                    "trials": [t.model_dump() for t in plan.trials], "layers": [e.model_dump() for e in plan.layers],
+                    "problems": plan_problems(plan, minimal=False)})
+    print(f"  {tag}: rc {w['rc']}, {w['wall']:.1f} s, peak {w['peak_anon_shmem_mib']:.0f} MiB"
+          + (f", chose {row['chosen']} ({row['ranked_by']}, on {row['device']})" if w["rc"] == 0 else ""), file=sys.stderr)
+    return row
+
+
+def _projection(row: dict, slice_layers: int) -> float:
+    """The 9B's plan from the slice's: every part but the start-up grows with the layers."""
+    s = row["seconds"]
+    grow = LAYERS_9B / slice_layers
+    startup = s["total"] - s["forward"] - s["reverse"] - s["alone"] - s["trials"]
+    return round(startup + grow * (s["forward"] + s["reverse"] + s["alone"] + s["trials"]), 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", type=Path, required=True)
+    ap.add_argument("--slice", type=Path)
+    ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench-plan")
+    ap.add_argument("--plan-records", type=int, default=4)
+    ap.add_argument("--tight-budget", type=float, default=1e-3)
+    ap.add_argument("--tiny-budget", type=float, default=2e-4)
+    ap.add_argument("--device", default="auto")
+    a = ap.parse_args()
+    if a.work.exists():
+        shutil.rmtree(a.work)
+    a.work.mkdir(parents=True)
+    result: dict = {"tiny": str(a.tiny), "slice": str(a.slice) if a.slice else None}
+    dev = ["--device", a.device]
+    result["tiny_first_order"] = _plan(a.tiny, a.work, "tiny-first-order", "--budget-dp", str(a.tiny_budget), *dev)
+    result["tiny_exhaustive"] = _plan(a.tiny, a.work, "tiny-exhaustive", "--budget-dp", str(a.tiny_budget), "--exhaustive", *dev)
+    if a.slice:
+        lines = (ROOT / "conversion" / "requests.jsonl").read_text().splitlines()[: a.plan_records]
+        (a.work / "requests.jsonl").write_text("\n".join(lines) + "\n")
+        req = ["--requests", str(a.work / "requests.jsonl"), *dev]
+        layers = len(json.loads((a.slice / "config.json").read_text())["text_config"]["layer_types"])
+        for tag, extra in (("slice_first_order", []), ("slice_first_order_tight", ["--budget-dp", str(a.tight_budget)])):
+            row = result[tag] = _plan(a.slice, a.work, tag.replace("_", "-"), *req, *extra)
+            if row["rc"] == 0:
+                row["projection_9b_s"] = _projection(row, layers)
+                print(f"    9B projected: {row['projection_9b_s'] / 60:.0f} min", file=sys.stderr)
+    out = ROOT / "benchmarks" / "results" / "plan-latest.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("stderr_tail", "layers", "trials")} if isinstance(v, dict) else v
+                      for k, v in result.items()}, indent=1))
+    print(f"wrote {out.relative_to(ROOT)}")
+    failures = [f"{k}: exit {v['rc']}" for k, v in result.items() if isinstance(v, dict) and v.get("rc")]
+    failures += [f"{k}: {p}" for k, v in result.items() if isinstance(v, dict) for p in v.get("problems", [])]
+    fo, ex = result["tiny_first_order"], result["tiny_exhaustive"]
+    if fo.get("chosen") != ex.get("chosen"):
+        failures.append(f"tiny: the first-order plan chose {fo.get('chosen')}, the exhaustive one {ex.get('chosen')}")
+    for f in failures:
+        print(f"FAIL {f}", file=sys.stderr)
+    if failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

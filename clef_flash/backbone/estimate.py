@@ -1,0 +1,220 @@
+"""Each decoder layer's effect on the answers, estimated from one forward and one reverse sweep of
+the uncompressed reference (``plan-weights``' ranking: O(layers), not one end-to-end pass a layer).
+
+Forward: every record through the streamed reference, each layer's output kept on disk
+(``sensitivity.LayerOutputs``). Then the head: every option's probability (what the budget's
+max |dp| is taken over) and its gradient at the last layer's output. Reverse, one layer in memory
+at a time: the layer run again on its kept input, with grad, and once more with its linears
+compressed; the difference ``d`` is its own error, ``<g, d>`` the first-order change of each
+option's probability, ``sum((g * d)**2)`` the diagonal Fisher term (ModelOpt's AutoQuantize
+score) reported beside it; then every ``g`` carried back through the layer, in one batched
+backward.
+
+How it works: docs/modules.md."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .contract import LM, layer_of
+from .sensitivity import LayerOutputs, dequantized_release
+
+
+@dataclass
+class LayerEstimate:
+    """One layer's figures over every record: its own error (worst record), the first-order change
+    of every option's probability with it alone compressed (signed; one entry per record and
+    option, in order), and the Fisher term (the worst option)."""
+
+    rel_max_abs_d: float = 0.0
+    rel_rms_d: float = 0.0
+    dp: list[float] = field(default_factory=list)
+    fisher: float = 0.0
+
+    @property
+    def estimated_dp(self) -> float:
+        return max((abs(v) for v in self.dp), default=0.0)
+
+
+def set_estimate(estimates: dict[int, LayerEstimate], squeezed: set[int]) -> float:
+    """The first-order max |dp| with ``squeezed`` compressed together: the layers' signed changes
+    added per option (first order is linear), the worst option."""
+    if not squeezed:
+        return 0.0
+    total = np.sum([estimates[i].dp for i in sorted(squeezed)], axis=0)
+    return float(np.abs(total).max()) if total.size else 0.0
+
+
+@contextmanager
+def one_thread():
+    """torch on one CPU thread for the block: the author's head adds in an order that follows the
+    thread count (its probabilities moved by 1e-8 between one thread and two, measured), and a
+    plan must be the same figure for figure at any thread count. The head is a small part of the
+    work; the backbone's layers gave the same bits at one and two threads and keep every thread."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+class LayerCalls:
+    """What the text model passes each layer besides its hidden states (rotary tables, masks), kept
+    per record and layer kind during the forward, so a layer can be run again alone."""
+
+    def __init__(self, ref, layer_types: list[str]) -> None:
+        self.by_record: dict[int, dict[str, dict]] = {}
+        self.current = 0
+        for i, layer in enumerate(ref.model.layers):
+            layer.register_forward_pre_hook(self._keep(layer_types[i]), with_kwargs=True)
+
+    def _keep(self, kind: str):
+        def hook(module, args, kwargs):
+            # no cache: run again alone, a layer must not read the state its first run left there
+            kept = {k: v for k, v in kwargs.items() if k not in ("cache", "past_key_values", "use_cache")}
+            self.by_record.setdefault(self.current, {}).setdefault(kind, kept)
+        return hook
+
+
+GRADS_BYTES = 256 << 20  # the options' gradients on the device at once (a long record with many options: in groups)
+
+
+def _grads_path(outputs: LayerOutputs, record: int, layer: int) -> Path:
+    return outputs.path / f"grad-{layer}-{record}.npy"
+
+
+def _groups(options: int, tokens: int, hidden: int, heads: int) -> list[slice]:
+    """Options a batched backward carries at once: each holds its gradient ([T, H]) and, through an
+    eager full-attention layer, its own attention weights ([heads, T, T]: a 5,192-token record with
+    40 options at once took 7 minutes in page faults, measured; the linear-attention layers' chunk
+    loop, batched, as much)."""
+    step = max(1, GRADS_BYTES // max(1, 4 * tokens * (hidden + heads * tokens)))
+    return [slice(a, min(a + step, options)) for a in range(0, options, step)]
+
+
+def forward_pass(ref, records: list[np.ndarray], outputs: LayerOutputs, calls: LayerCalls | None = None,
+                 tick=lambda: None) -> list[np.ndarray]:
+    """Every record through the uncompressed reference: its final rows, returned, and each layer's
+    output, kept in ``outputs`` (with ``calls``, what each layer was passed besides)."""
+    current = [0]
+
+    def keep(index: int):
+        def after(module, args, kwargs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            outputs.put(index, current[0], out[0].detach().cpu().numpy())
+        return after
+
+    handles = [layer.register_forward_hook(keep(i), with_kwargs=True, prepend=True) for i, layer in enumerate(ref.model.layers)]
+    rows = []
+    try:
+        for r, ids in enumerate(records):
+            current[0] = r
+            if calls is not None:
+                calls.current = r
+            rows.append(ref.rows(ids))
+            tick()
+    finally:
+        for h in handles:
+            h.remove()
+    return rows
+
+
+def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compressed: list[str], scaled: bool,
+                  outputs: LayerOutputs, calls: LayerCalls, layer_types: list[str], back_tick=lambda: None) -> dict[int, LayerEstimate]:
+    """Each compressed layer's estimate, after ``forward_pass`` kept every layer's output and what it
+    was passed. ``options(r, rows)`` is the head on record ``r``'s final rows (``[1, T, H]``, with
+    grad) -> every option's probability (1-D). ``back_tick`` ticks per layer."""
+    import torch
+
+    layers = len(ref.model.layers)
+    by_layer: dict[int, list[str]] = {}
+    for n in compressed:
+        by_layer.setdefault(layer_of(n), []).append(n)
+    dev, dtype = ref.device, ref.dtype
+    heads = int(ref.model.config.num_attention_heads)
+    for r in range(len(records)):  # every option's probability, its gradient at the last layer's output
+        h = torch.from_numpy(outputs.entering(layers, r)).to(device=dev, dtype=dtype).requires_grad_(True)
+        with torch.enable_grad(), one_thread():
+            p = options(r, ref.model.norm(h[None]))
+            groups = _groups(len(p), *h.shape, 0)  # the head: no [T, T] per option
+            out = np.lib.format.open_memmap(_grads_path(outputs, r, layers - 1), "w+", np.float32, (len(p),) + tuple(h.shape))
+            eye = torch.eye(len(p), device=dev, dtype=dtype)
+            for k, part in enumerate(groups):
+                out[part] = torch.autograd.grad(p, h, eye[part], is_grads_batched=True, retain_graph=k + 1 < len(groups))[0].cpu().numpy()
+            out.flush()
+            del out
+
+    estimates = {i: LayerEstimate() for i in range(layers) if i in by_layer}
+    for i in reversed(range(layers)):
+        names = by_layer.get(i, [])
+        squeezed = {n: dequantized_release(ref.source, infos[n], scheme, scaled) for n in names}
+        with ref.layer_loaded(i) as layer:
+            for r, ids in enumerate(records):
+                kwargs = calls.by_record[r][layer_types[i]]
+                entering = outputs.entering(i, r)
+                x = (ref.embed(ids) if entering is None else torch.from_numpy(entering).to(device=dev, dtype=dtype))[None]
+                x.requires_grad_(i > 0)
+                with torch.enable_grad():
+                    y = layer(x, **kwargs)
+                    y = y[0] if isinstance(y, tuple) else y
+                d = _own_error(estimates[i], layer, x.detach(), y.detach(), kwargs, squeezed, f"{LM}layers.{i}.") if names else None
+                g_all = np.load(_grads_path(outputs, r, i), mmap_mode="r")
+                groups = _groups(len(g_all), *g_all.shape[1:], heads)
+                back = np.lib.format.open_memmap(_grads_path(outputs, r, i - 1), "w+", np.float32, g_all.shape) if i > 0 else None
+                for k, part in enumerate(groups):
+                    g = torch.from_numpy(np.array(g_all[part])).to(device=dev, dtype=dtype)  # a copy: the file is read-only
+                    if d is not None:
+                        _effects(estimates[i], g, d)
+                    if back is not None:  # the options' gradients carried back through the layer
+                        back[part] = torch.autograd.grad(y, x, g[:, None], is_grads_batched=True,
+                                                         retain_graph=k + 1 < len(groups))[0][:, 0].cpu().numpy()
+                del g_all
+                _grads_path(outputs, r, i).unlink()
+                if back is not None:
+                    back.flush()
+                    del back
+                del y, x
+        back_tick()
+    return estimates
+
+
+def _own_error(e: LayerEstimate, layer, x, want, kwargs, squeezed: dict[str, np.ndarray], prefix: str):
+    """The layer run on the same input with its linears compressed: its own error (kept in ``e``)
+    and the difference ``d`` ([T, H]) the options' gradients meet."""
+    import torch
+
+    kept = {}
+    for full, value in squeezed.items():
+        owner, _, attr = full[len(prefix):].rpartition(".")
+        target = layer.get_submodule(owner)
+        kept[(owner, attr)] = target._parameters[attr]
+        target._parameters[attr] = torch.nn.Parameter(torch.from_numpy(value).to(device=x.device, dtype=x.dtype), requires_grad=False)
+    try:
+        with torch.no_grad():
+            got = layer(x, **kwargs)
+            got = got[0] if isinstance(got, tuple) else got
+    finally:
+        for (owner, attr), p in kept.items():
+            layer.get_submodule(owner)._parameters[attr] = p
+    d = (got - want)[0]
+    top = max(float(want.abs().max()), 1e-30)
+    e.rel_max_abs_d = max(e.rel_max_abs_d, float(d.abs().max()) / top)
+    e.rel_rms_d = max(e.rel_rms_d, float(np.sqrt(np.mean(np.square(d.double().cpu().numpy())))) / top)
+    return d
+
+
+def _effects(e: LayerEstimate, g, d) -> None:
+    """Against the options' gradients ``g`` ([options, T, H]): each option's first-order change
+    ``<g, d>`` and the Fisher term."""
+    for o in range(len(g)):
+        # summed by numpy in fp64 (pairwise, one thread): the same bits at any torch thread count
+        gd = (g[o] * d).double().cpu().numpy()
+        e.dp.append(float(np.sum(gd)))
+        e.fisher = max(e.fisher, float(np.sum(np.square(gd))))

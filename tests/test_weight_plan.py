@@ -1,0 +1,301 @@
+"""plan-weights' one-pass ranking (issue 47): each layer's first-order effect on the answers from
+one reverse sweep, held to the exhaustive ranking (one end-to-end pass a layer, ``--exhaustive``)
+on releases written by clef-finetune's own ``make-tiny`` and ours, and on the cases a fast ranking
+must survive (``tests/plan_fixtures.py``); the choice proved by trials, escalated when the estimate
+is too kind; the same plan on a rerun and at another thread count; where it ran."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from clef_flash.cli import app
+
+from .plan_fixtures import edited_release, head_ignores, saturated
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "conversion" / "backbone_pf64_int8.toml"
+runner = CliRunner()
+RECORDS = "8"
+
+
+def _one_thread_invoke(args):
+    """The CLI in this process on one torch thread: two test workers share two cores, and torch's
+    threads of both waiting on each other made a 10 s plan take minutes (measured)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return runner.invoke(app, args)
+    finally:
+        torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """``plans(release, budget, exhaustive=False) -> WeightPlan``, each run once."""
+    from clef_flash.backbone.plan import load_plan
+
+    done: dict = {}
+
+    def plan(release: Path, budget: float, exhaustive: bool = False):
+        key = (str(release), budget, exhaustive)
+        if key not in done:
+            out = tmp_path_factory.mktemp("plan") / "plan.json"
+            res = _one_thread_invoke(["plan-weights", str(release), "--recipe", str(RECIPE), "--out", str(out),
+                                      "--budget-dp", str(budget), "--records", RECORDS]
+                                + (["--exhaustive"] if exhaustive else []))
+            assert res.exit_code == 0, res.output[-3000:]
+            done[key] = load_plan(out)
+        return done[key]
+    return plan
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory, author_code) -> Path:
+    from clef_flash.sources.pinning import pin_local
+    from clef_flash.synth.release import MAKE_TINY_HEAD, write_release
+
+    rel = write_release(tmp_path_factory.mktemp("ours") / "tiny_release", config_name=MAKE_TINY_HEAD, seed=0,
+                        author_code=author_code, backbone="qwen3_5", variant="tiny")
+    pin_local(rel, name="tiny_release")
+    return rel
+
+
+def _agree(fast, oracle) -> None:
+    from clef_flash.backbone.plan import plan_problems
+
+    assert fast.ranked_by == "first-order" and oracle.ranked_by == "exhaustive"
+    assert fast.chosen == oracle.chosen, (fast.ranking, oracle.ranking)
+    assert fast.met and oracle.met and plan_problems(fast, minimal=False) == []
+    assert oracle.kendall_tau is not None and -1 <= oracle.kendall_tau <= 1
+    # the fast plan measured fewer sets end to end than the oracle (which runs one a layer besides)
+    assert len(fast.trials) <= len(oracle.trials)
+    assert all(e.estimated_dp is not None and e.fisher is not None for e in fast.layers)
+
+
+# (make-tiny seed, budget): each a budget the all-int8 release misses, so a set is chosen
+AGREE = [(0, 2e-4), (1, 1e-4), (2, 5e-5), (3, 1e-4)]
+
+
+@pytest.mark.parametrize("seed,budget", AGREE)
+def test_the_one_pass_ranking_chooses_what_the_exhaustive_one_chooses(make_tiny, plans, seed, budget):
+    release = make_tiny(seed)
+    fast, oracle = plans(release, budget), plans(release, budget, exhaustive=True)
+    _agree(fast, oracle)
+    assert 1 <= len(fast.chosen) < 4
+    assert not any(t.passes for t in oracle.trials if t.fp16_layers == [])
+
+
+def test_the_one_pass_ranking_on_our_own_tiny_release(ours, plans):
+    _agree(plans(ours, 1e-4), plans(ours, 1e-4, exhaustive=True))
+
+
+def test_a_small_own_error_that_later_layers_amplify_ranks_by_its_effect(make_tiny, plans):
+    """make-tiny seed 0: layer 0's own error is the smallest of the four, yet its effect on the
+    answers is the second largest. Ranked by own error it would be kept last; the estimate ranks it
+    where the oracle does, and the plan keeps it."""
+    fast, oracle = plans(make_tiny(0), 2e-4), plans(make_tiny(0), 2e-4, exhaustive=True)
+    own = {e.layer: e.rel_max_abs_d for e in fast.layers}
+    assert min(own, key=own.get) == 0
+    assert fast.ranking.index(0) == oracle.ranking.index(0) == 1
+    assert 0 in fast.chosen and fast.chosen == oracle.chosen
+
+
+def test_a_large_own_error_the_head_ignores_ranks_last(make_tiny, plans, tmp_path_factory):
+    """The last layer writes only along the direction the head's LayerNorm removes: its own error is
+    the largest by far, its effect nothing. The estimate sees that (the answers' gradient is
+    orthogonal to it); ranked by own error it would be kept fp16 first."""
+    release = edited_release(make_tiny(0), tmp_path_factory.mktemp("fx") / "head_ignores", head_ignores)
+    fast, oracle = plans(release, 1e-4), plans(release, 1e-4, exhaustive=True)
+    own = {e.layer: e.rel_max_abs_d for e in fast.layers}
+    est = {e.layer: e.estimated_dp for e in fast.layers}
+    alone = {e.layer: e.alone_max_abs_dp for e in oracle.layers}
+    assert max(own, key=own.get) == 3 and own[3] > 2 * max(own[i] for i in (0, 1, 2))
+    assert alone[3] < 1e-6 and est[3] < 1e-6  # measured and estimated: the head does not see it
+    assert fast.ranking[-1] == oracle.ranking[-1] == 3 and 3 not in fast.chosen
+    _agree(fast, oracle)
+
+
+def test_two_layers_within_budget_alone_over_it_together(make_tiny, plans, monkeypatch):
+    """make-tiny seed 0 at 1.5e-4: layers 1 and 2 each meet the budget alone; compressed together
+    (the others kept fp16) they miss it. The estimate adds their signed changes per option, so the
+    plan keeps one of them, as the oracle does. With the estimate made too kind (halved), the first
+    trial misses and the plan escalates: one more layer of the ranking, measured, the same set."""
+    from clef_flash.backbone import estimate
+
+    fast, oracle = plans(make_tiny(0), 1.5e-4), plans(make_tiny(0), 1.5e-4, exhaustive=True)
+    alone = {e.layer: e.alone_max_abs_dp for e in oracle.layers}
+    assert alone[1] <= 1.5e-4 and alone[2] <= 1.5e-4
+    both = next(t for t in oracle.trials if t.fp16_layers == [0, 3])
+    assert not both.passes and both.estimated_max_abs_dp > 1.5e-4
+    _agree(fast, oracle)
+    assert fast.chosen == [0, 2, 3]
+
+    real = estimate.set_estimate
+    monkeypatch.setattr(estimate, "set_estimate", lambda e, squeezed: real(e, squeezed) / 2)
+    out = make_tiny(0).parent / "kind.json"
+    res = _one_thread_invoke(["plan-weights", str(make_tiny(0)), "--recipe", str(RECIPE), "--out", str(out),
+                              "--budget-dp", "1.5e-4", "--records", RECORDS, "--overwrite"])
+    assert res.exit_code == 0, res.output[-3000:]
+    from clef_flash.backbone.plan import load_plan
+
+    kind = load_plan(out)
+    sets = [t.fp16_layers for t in kind.trials]
+    climb = sets[:sets.index(kind.chosen) + 1]  # escalation: one more layer of the ranking each trial
+    assert len(climb) >= 2 and all(s == sorted(kind.ranking[:len(s)]) for s in climb)
+    assert [len(s) for s in climb] == list(range(len(climb[0]), len(climb[0]) + len(climb)))
+    assert not any(t.passes for t in kind.trials[:len(climb) - 1]) and kind.trials[len(climb) - 1].passes
+    assert kind.chosen == oracle.chosen and kind.met
+
+
+def test_saturated_answers_do_not_mislead_the_ranking(make_tiny, plans, tmp_path_factory):
+    """Most answers near p = 1 (their gradients vanish): the plan still chooses the oracle's set."""
+    release = edited_release(make_tiny(0), tmp_path_factory.mktemp("fx") / "saturated", lambda t: None, saturated)
+    _agree(plans(release, 0.01), plans(release, 0.01, exhaustive=True))
+    top = _answer_probs(release)
+    assert np.mean(top > 0.99) >= 0.5, top
+
+
+def _answer_probs(release: Path) -> np.ndarray:
+    import torch
+
+    from clef_flash.backbone.reference import StreamedTextModel
+    from clef_flash.backbone.source import release_config
+    from clef_flash.build.plan_weights import PlanConfig, _calibration
+    from clef_flash.recipe import load_recipe
+    from clef_flash.sources.pins import load_pins
+    from clef_flash.sources.requests import default_requests, load_requests
+
+    cfg = PlanConfig(release=release, recipe=load_recipe(RECIPE), recipe_path=RECIPE, pins_path=release / "pins.json",
+                     out=release / "unused.json", records=int(RECORDS))
+    cal = _calibration(cfg, release, load_pins(release / "pins.json"), load_requests(default_requests()), release_config(release), "cpu")
+    ref = StreamedTextModel(release)
+    with torch.inference_mode():
+        return np.array([float(q.softmax(-1).max()) for r, ids in enumerate(cal.records)
+                         for q in cal.logits(r, torch.from_numpy(ref.rows(ids))[None])])
+
+
+def test_escalation_and_the_walk_down_with_an_oracle_of_sets():
+    """``_first_order_k`` against made-up measurements: an estimate too kind escalates until a
+    measured trial meets; too harsh, it walks down while the smaller set meets; either way the
+    result meets and the set one smaller misses."""
+    from types import SimpleNamespace
+
+    from clef_flash.build.plan_weights import _first_order_k
+
+    ranking = [5, 2, 7, 0]
+    for estimate_k, true_k in [(1, 3), (3, 1), (2, 2), (0, 0), (0, 4), (4, 0)]:
+        seen: list[list[int]] = []
+
+        def trial(kept, true_k=true_k):
+            seen.append(list(kept))
+            return SimpleNamespace(passes=len(kept) >= true_k)
+        k = _first_order_k(ranking, lambda kept, e=estimate_k: len(kept) >= e, trial)
+        assert k == true_k, (estimate_k, true_k, seen)
+        assert seen[0] == ranking[:estimate_k]
+
+
+def test_a_set_estimate_adds_signed_changes_per_answer():
+    from clef_flash.backbone.estimate import LayerEstimate, set_estimate
+
+    e = {0: LayerEstimate(dp=[3e-4, -1e-4]), 1: LayerEstimate(dp=[-2e-4, -1e-4])}
+    assert e[0].estimated_dp == 3e-4
+    assert set_estimate(e, {0, 1}) == pytest.approx(2e-4)  # 1e-4 and -2e-4: cancelling, then adding
+    assert set_estimate(e, set()) == 0.0
+
+
+def test_a_layer_run_alone_in_the_reverse_sweep_is_its_run_in_the_pass(make_tiny):
+    """The sweep runs each layer again on its kept input: without the model's cache (which its first
+    run filled: a linear-attention layer would start from its own final state) the output is the
+    pass's bit for bit; with the cache handed back it is not."""
+    import torch
+
+    from clef_flash.backbone.estimate import LayerCalls, forward_pass
+    from clef_flash.backbone.reference import StreamedTextModel
+    from clef_flash.backbone.sensitivity import LayerOutputs
+    from clef_flash.backbone.source import release_config
+
+    release = make_tiny(0)
+    types = list(release_config(release).layer_types)
+    ref = StreamedTextModel(release)
+    records = [np.random.default_rng(1).integers(0, 500, n) for n in (70, 131)]
+    with LayerOutputs() as outputs:
+        calls = LayerCalls(ref, types)
+        forward_pass(ref, records, outputs, calls)
+        for i in range(len(types)):
+            with ref.layer_loaded(i) as layer, torch.no_grad():
+                for r, ids in enumerate(records):
+                    entering = outputs.entering(i, r)
+                    x = (ref.embed(ids) if entering is None else torch.from_numpy(entering))[None]
+                    got = layer(x, **calls.by_record[r][types[i]])[0].numpy()
+                    assert np.array_equal(got, outputs.entering(i + 1, r)), (i, r)
+        assert not any(k in kw for by in calls.by_record.values() for kw in by.values() for k in ("cache", "use_cache"))
+
+
+def _plan_in_process(release: Path, out: Path, threads: int, cwd: Path) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONHASHSEED": str(threads)}
+    exe = Path(sys.executable).parent / "clef-export"
+    res = subprocess.run([str(exe), "plan-weights", str(release), "--recipe", str(RECIPE), "--out", str(out),
+                          "--budget-dp", "2e-4", "--records", "4", "--device", "cpu"], env=env, cwd=cwd, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    data.pop("seconds")
+    return data
+
+
+def test_the_plan_is_the_same_on_a_rerun_and_at_another_thread_count(make_tiny, tmp_path):
+    """Every figure but the timings, at one thread and at two, from two working directories."""
+    release = make_tiny(0)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    one = _plan_in_process(release, tmp_path / "a" / "p.json", 1, tmp_path / "a")
+    two = _plan_in_process(release, tmp_path / "b" / "p.json", 2, tmp_path / "b")
+    assert one == two
+    assert one["device"] == "cpu" and one["ranked_by"] == "first-order" and one["met"]
+
+
+def test_device_options_are_checked_before_any_work(make_tiny, tmp_path):
+    """A device this machine lacks is refused by name (exit 2), nothing written."""
+    import torch
+
+    release = make_tiny(0)
+    for name, present in (("cuda", torch.cuda.is_available()), ("mps", torch.backends.mps.is_available())):
+        if present:
+            continue
+        out = tmp_path / f"{name}.json"
+        res = runner.invoke(app, ["plan-weights", str(release), "--recipe", str(RECIPE), "--out", str(out), "--device", name])
+        assert res.exit_code == 2 and f"--device {name}: torch" in res.output and "sees no" in res.output, res.output
+        assert not out.exists()
+    res = runner.invoke(app, ["plan-weights", str(release), "--recipe", str(RECIPE), "--out", str(tmp_path / "x.json"), "--device", "tpu"])
+    assert res.exit_code == 2 and "--device must be auto, cpu, cuda or mps" in res.output
+
+
+def test_weights_held_on_the_device_give_the_streamed_rows(make_tiny, monkeypatch):
+    """Where the release fits on the device the plan holds its weights (read once); the rows are
+    the streamed reference's bit for bit (the CPU stands in for the device here)."""
+    from clef_flash.backbone import reference
+
+    release = make_tiny(0)
+    records = [np.random.default_rng(2).integers(0, 500, n) for n in (40, 90)]
+    streamed = reference.StreamedTextModel(release)
+    reads: list[str] = []
+    real = reference._read
+    monkeypatch.setattr(reference, "_read", lambda folder, t, *a: (reads.append(t.file), real(folder, t, *a))[1])
+    held = reference.StreamedTextModel(release, hold=True)
+    first = len(reads)
+    rows = [held.rows(ids) for ids in records]
+    once = len(reads)
+    rows2 = [held.rows(ids) for ids in records]
+    assert len(reads) == once > first  # the second pass reads nothing
+    monkeypatch.setattr(reference, "_read", real)
+    want = [streamed.rows(ids) for ids in records]
+    assert all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(rows, rows2, want, strict=True))
