@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_result import finish  # noqa: E402
 from memwatch import watch  # noqa: E402
 
 EXE = Path(sys.executable).parent / "clef-export"
@@ -87,22 +88,11 @@ def main() -> None:
             if row["rc"] == 0:
                 row["projection_9b_s"] = _projection(row, layers)
                 print(f"    9B projected: {row['projection_9b_s'] / 60:.0f} min", file=sys.stderr)
-    out = ROOT / "benchmarks" / "results" / "plan-latest.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("stderr_tail", "layers", "trials")} if isinstance(v, dict) else v
-                      for k, v in result.items()}, indent=1))
-    print(f"wrote {out.relative_to(ROOT)}")
-    failures = [f"{k}: exit {v['rc']}" for k, v in result.items() if isinstance(v, dict) and v.get("rc")]
-    failures += [f"{k}: {p}" for k, v in result.items() if isinstance(v, dict) for p in v.get("problems", [])]
+    failures = [f"{k}: {p}" for k, v in result.items() if isinstance(v, dict) for p in v.get("problems", [])]
     fo, ex = result["tiny_first_order"], result["tiny_exhaustive"]
     if fo.get("chosen") != ex.get("chosen"):
         failures.append(f"tiny: the first-order plan chose {fo.get('chosen')}, the exhaustive one {ex.get('chosen')}")
-    for f in failures:
-        print(f"FAIL {f}", file=sys.stderr)
-    if failures:
-        sys.exit(1)
-
+    finish(result, "plan-latest.json", failures)
 
 if __name__ == "__main__":
     main()

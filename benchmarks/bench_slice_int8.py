@@ -25,6 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_result import finish  # noqa: E402
 from memwatch import watch  # noqa: E402
 
 EXE = Path(sys.executable).parent / "clef-export"
@@ -94,21 +95,11 @@ def main() -> None:
     result["plan_weights_int8"] = prow
     print(f"  slice plan-weights int8: rc {w['rc']}, {w['wall']:.1f} s, peak {w['peak_anon_shmem_mib']:.0f} MiB, "
           f"RSS {w['peak_rss_mib']:.0f} MiB", file=sys.stderr)
-    out = ROOT / "benchmarks" / "results" / "slice-int8-latest.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("stderr_tail", "layers", "trials")} if isinstance(v, dict) else v
-                      for k, v in result.items()}, indent=1))
-    print(f"wrote {out.relative_to(ROOT)}")
-    failures = [f"{k}: exit {v['rc']}" for k, v in result.items() if isinstance(v, dict) and v.get("rc")]
+    failures = []
     if result["build_int8w32_gated"].get("ok") is False:
         failures.append("build_int8w32_gated: the gate failed")
     failures += [f"plan_weights_int8: {p}" for p in prow.get("problems", [])]
-    for f in failures:
-        print(f"FAIL {f}", file=sys.stderr)
-    if failures:
-        sys.exit(1)
-
+    finish(result, "slice-int8-latest.json", failures)
 
 if __name__ == "__main__":
     main()
