@@ -245,23 +245,31 @@ def _layer_bytes(infos, scheme, compressed: list[str], layers: int) -> dict[int,
     return out
 
 
-def plan_weights(cfg: PlanConfig, log=lambda m: None):
-    from ..backbone.contract import compressed_names, layer_of, weight_names
-    from ..backbone.estimate import LayerCalls, forward_pass, reverse_sweep, set_estimate
-    from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, Trial, WeightPlan
-    from ..backbone.reference import StreamedTextModel
-    from ..backbone.sensitivity import Dequantizer, LayerOutputs, rows_with
+@dataclass(frozen=True)
+class _Inputs:
+    """What the plan reads before any arithmetic: the checked release, its layers, the calibration."""
+
+    requests_path: Path
+    pins: object
+    files: dict[str, str]
+    text: object
+    wanted: dict
+    infos: dict
+    scheme: object
+    scaled: bool
+    compressed: list[str]
+    device: Device
+    cal: Calibration
+
+
+def _inputs(cfg: PlanConfig, log) -> _Inputs:
+    from ..backbone.contract import compressed_names, weight_names
     from ..backbone.source import release_config
-    from ..bundle import atomic_write_json
-    from ..digest import sha256_file
-    from ..engine.streamed_weights import asset_bytes, locate
-    from ..progress import progress
+    from ..engine.streamed_weights import locate
     from ..sources.pinned_files import read_files, verify_files
     from ..sources.pins import load_pins
     from ..sources.requests import default_requests, load_requests
 
-    t_start = time.perf_counter()
-    recipe, out, budget = cfg.recipe, Path(cfg.out), _budget(cfg)
     source = Path(cfg.release)
     requests_path = Path(cfg.requests) if cfg.requests else default_requests()
     requests = load_requests(requests_path)
@@ -274,47 +282,93 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     text = release_config(source)
     wanted = weight_names(text)
     infos = locate(source, wanted)
-    scheme, scaled = recipe.scheme, recipe.compute == "fp32"
-    compressed = compressed_names(wanted, scheme, ())
-    layers = len(text.layer_types)
+    scheme = cfg.recipe.scheme
     device = pick_device(cfg.device, 4 * sum(int(np.prod(t.shape)) for t in infos.values()))
-    cal = _calibration(cfg, source, pins, requests, text, device.torch_device)
-    records = cal.records
-    method = "exhaustive" if cfg.exhaustive else "first-order"
+    return _Inputs(requests_path, pins, files, text, wanted, infos, scheme, cfg.recipe.compute == "fp32",
+                   compressed_names(wanted, scheme, ()), device,
+                   _calibration(cfg, source, pins, requests, text, device.torch_device))
 
-    log(f"plan-weights: {scheme.weights} per block of {scheme.block}, {plural(len(compressed), 'tensor')} in "
-        f"{layers} layers; {plural(len(records), 'calibration record')} ({sum(len(r) for r in records):,} tokens) "
-        f"from {requests_path.name}; budget max |dp| {budget:g}; ranked by {method}; on {device.label}"
-        f"{' (weights held)' if device.hold else ''}")
-    ref = StreamedTextModel(source, device=device.torch_device, hold=device.hold)
+
+class _Trials:
+    """End-to-end measurements of sets of layers compressed, against the uncompressed pass: each
+    set measured once (the walk down and the proof can meet one)."""
+
+    def __init__(self, ref, cal: Calibration, outputs, deq, base, budget: float, estimates, log) -> None:
+        self.ref, self.cal, self.outputs, self.deq, self.base = ref, cal, outputs, deq, base
+        self.budget, self.estimates, self.log = budget, estimates, log
+        self.with_codes = sorted(estimates)
+        self.done: list = []  # the Trials recorded in the plan
+
+    def dp_with(self, squeezed: set[int], tick=lambda: None) -> tuple[float, float]:
+        """max and mean |dp| over every option of every record with ``squeezed`` compressed."""
+        from ..backbone.sensitivity import rows_with
+
+        if not squeezed:
+            return 0.0, 0.0
+        rows = rows_with(self.ref, self.cal.records, self.deq, squeezed, tick, self.outputs)
+        dp = np.concatenate([np.abs(a - b) for a, b in zip(self.cal.probs(rows), self.base, strict=True)])
+        return (float(dp.max()), float(dp.mean())) if dp.size else (0.0, 0.0)
+
+    def __call__(self, kept: list[int], record: bool = True):
+        from ..backbone.estimate import set_estimate
+        from ..backbone.plan import Trial
+
+        done = next((t for t in self.done if t.fp16_layers == sorted(kept)), None)
+        if done is not None:
+            return done
+        squeezed = set(self.with_codes) - set(kept)
+        top, mean = self.dp_with(squeezed)
+        t = Trial(fp16_layers=sorted(kept), max_abs_dp=top, mean_abs_dp=mean, passes=top <= self.budget,
+                  estimated_max_abs_dp=set_estimate(self.estimates, squeezed))
+        if record:
+            self.done.append(t)
+        self.log(f"trial: fp16 layers {sorted(kept) or 'none'}: max |dp| {top:.4g} (estimated {t.estimated_max_abs_dp:.3g}), "
+                 f"mean {mean:.3g} -> {'meets' if t.passes else 'misses'} {self.budget:g}")
+        return t
+
+
+@dataclass(frozen=True)
+class _Search:
+    """The ranking and what the trials found along it."""
+
+    estimates: dict
+    fast: list[int]  # the one-pass estimate's ranking
+    ranking: list[int]  # the ranking searched (the estimate's, or the oracle's with --exhaustive)
+    alone: dict[int, float]
+    trials: list
+    chosen: list[int]
+    met: bool
+    proof: object
+    seconds: dict[str, float]
+
+
+def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
+    from ..backbone.estimate import LayerCalls, forward_pass, reverse_sweep, set_estimate
+    from ..backbone.reference import StreamedTextModel
+    from ..backbone.sensitivity import Dequantizer, LayerOutputs
+    from ..progress import progress
+
+    text, cal, records, layers = inp.text, inp.cal, inp.cal.records, len(inp.text.layer_types)
+    ref = StreamedTextModel(Path(cfg.release), device=inp.device.torch_device, hold=inp.device.hold)
     with LayerOutputs() as outputs:
         t0 = time.perf_counter()
         calls = LayerCalls(ref, list(text.layer_types))
         with progress("plan: the uncompressed pass", len(records), "records") as tick:
-            base_rows = forward_pass(ref, records, outputs, calls, tick)
-        base = cal.probs(base_rows)
+            base = cal.probs(forward_pass(ref, records, outputs, calls, tick))
         t_forward, t0 = time.perf_counter() - t0, time.perf_counter()
         with progress("plan: each layer's own error and first-order effect, last to first", layers, "layers") as back:
-            estimates = reverse_sweep(ref, records, cal.option_probs, infos, scheme, compressed, scaled,
+            estimates = reverse_sweep(ref, records, cal.option_probs, inp.infos, inp.scheme, inp.compressed, inp.scaled,
                                       outputs, calls, list(text.layer_types), back)
         t_reverse, t0 = time.perf_counter() - t0, time.perf_counter()
-        with_codes = sorted(estimates)
+        deq = Dequantizer(Path(cfg.release), inp.infos, inp.scheme, inp.compressed, inp.scaled)
+        trial = _Trials(ref, cal, outputs, deq, base, budget, estimates, log)
+        with_codes = trial.with_codes
         fast = sorted(with_codes, key=lambda i: (-estimates[i].estimated_dp, -estimates[i].rel_max_abs_d, i))
-        deq = Dequantizer(source, infos, scheme, compressed, scaled)
-        trials: list[Trial] = []
-
-        def dp_with(squeezed: set[int], tick=lambda: None) -> tuple[float, float]:
-            if not squeezed:
-                return 0.0, 0.0
-            rows = rows_with(ref, records, deq, squeezed, tick, outputs)
-            dp = np.concatenate([np.abs(a - b) for a, b in zip(cal.probs(rows), base, strict=True)])
-            return (float(dp.max()), float(dp.mean())) if dp.size else (0.0, 0.0)
-
         alone: dict[int, float] = {}
         if cfg.exhaustive:  # the oracle: each layer alone compressed, end to end
             with progress("plan: each layer alone compressed, end to end", len(with_codes) * len(records), "records") as tick:
                 for i in with_codes:
-                    alone[i] = dp_with({i}, tick)[0]
+                    alone[i] = trial.dp_with({i}, tick)[0]
             ranking = sorted(with_codes, key=lambda i: (-alone[i], -estimates[i].rel_max_abs_d, i))
         else:
             ranking = fast
@@ -325,56 +379,64 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
                 + f"estimated max |dp| {e.estimated_dp:.3g} (Fisher {e.fisher:.3g}); its own output rel max |d| "
                 f"{e.rel_max_abs_d:.3g}, rel rms {e.rel_rms_d:.3g}")
         t0 = time.perf_counter()
-
-        def trial(kept: list[int], record: bool = True) -> Trial:
-            done = next((t for t in trials if t.fp16_layers == sorted(kept)), None)
-            if done is not None:  # measured already (the walk down and the proof can meet one)
-                return done
-            squeezed = set(with_codes) - set(kept)
-            top, mean = dp_with(squeezed)
-            t = Trial(fp16_layers=sorted(kept), max_abs_dp=top, mean_abs_dp=mean, passes=top <= budget,
-                      estimated_max_abs_dp=set_estimate(estimates, squeezed))
-            if record:
-                trials.append(t)
-            log(f"trial: fp16 layers {sorted(kept) or 'none'}: max |dp| {top:.4g} (estimated {t.estimated_max_abs_dp:.3g}), "
-                f"mean {mean:.3g} -> {'meets' if t.passes else 'misses'} {budget:g}")
-            return t
-
         if cfg.exhaustive:
-            k = _smallest_k(ranking, trial, trials)
+            k = _smallest_k(ranking, trial, trial.done)
         else:
             k = _first_order_k(ranking, lambda kept: set_estimate(estimates, set(with_codes) - set(kept)) <= budget, trial)
         chosen = sorted(ranking[:k])
-        met = any(t.passes and t.fp16_layers == chosen for t in trials)
+        met = any(t.passes and t.fp16_layers == chosen for t in trial.done)
         proof = None
         if k >= 1:  # the proof: without its most sensitive layer the chosen set must miss the budget
-            proof = next((t for t in trials if t.fp16_layers == sorted(ranking[1:k])), None) or trial(ranking[1:k], record=False)
+            proof = next((t for t in trial.done if t.fp16_layers == sorted(ranking[1:k])), None) or trial(ranking[1:k], record=False)
         t_trials = time.perf_counter() - t0
-    by_layer_bytes = _layer_bytes(infos, scheme, compressed, layers)
+    return _Search(estimates, fast, ranking, alone, trial.done, chosen, met, proof,
+                   {"forward": round(t_forward, 3), "reverse": round(t_reverse, 3), "alone": round(t_alone, 3),
+                    "trials": round(t_trials, 3)})
+
+
+def plan_weights(cfg: PlanConfig, log=lambda m: None):
+    from ..backbone.contract import compressed_names
+    from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, WeightPlan
+    from ..bundle import atomic_write_json
+    from ..digest import sha256_file
+    from ..engine.streamed_weights import asset_bytes
+
+    t_start = time.perf_counter()
+    recipe, budget = cfg.recipe, _budget(cfg)
+    inp = _inputs(cfg, log)
+    text, scheme, device, records = inp.text, inp.scheme, inp.device, inp.cal.records
+    layers = len(text.layer_types)
+    method = "exhaustive" if cfg.exhaustive else "first-order"
+    log(f"plan-weights: {scheme.weights} per block of {scheme.block}, {plural(len(inp.compressed), 'tensor')} in "
+        f"{layers} layers; {plural(len(records), 'calibration record')} ({sum(len(r) for r in records):,} tokens) "
+        f"from {inp.requests_path.name}; budget max |dp| {budget:g}; ranked by {method}; on {device.label}"
+        f"{' (weights held)' if device.hold else ''}")
+    found = _search(cfg, inp, budget, log)
+    est, by_layer_bytes = found.estimates, _layer_bytes(inp.infos, scheme, inp.compressed, layers)
     plan = WeightPlan(
         plan_version=PLAN_VERSION,
-        release={"hf_id": pins.hf_id, "revision": pins.revision,
-                 "files": {n: d for n, d in files.items() if n.endswith(".safetensors") or n.endswith(".json")}},
+        release={"hf_id": inp.pins.hf_id, "revision": inp.pins.revision,
+                 "files": {n: d for n, d in inp.files.items() if n.endswith(".safetensors") or n.endswith(".json")}},
         scheme=PlanScheme(weights=scheme.weights, bits=scheme.bits, block=scheme.block, compute=recipe.compute),
-        calibration={"requests": requests_path.name, "sha256": sha256_file(requests_path), "records": len(records),
+        calibration={"requests": inp.requests_path.name, "sha256": sha256_file(inp.requests_path), "records": len(records),
                      "tokens": int(sum(len(r) for r in records)), "head": "the release's JointSchemaHead, fp32",
                      "rows": "transformers' Qwen3.5 text model, fp32 eager, "
                              + ("the weights held on the device" if device.hold else "one layer in memory at a time")},
         ranked_by=method, device=device.label,
-        kendall_tau=kendall_tau(fast, ranking) if cfg.exhaustive else None,
-        budget_dp=budget, ranking=ranking,
-        layers=[LayerSensitivity(layer=i, kind=text.layer_types[i], rel_max_abs_d=estimates[i].rel_max_abs_d,
-                                 rel_rms_d=estimates[i].rel_rms_d, estimated_dp=estimates[i].estimated_dp,
-                                 fisher=estimates[i].fisher, alone_max_abs_dp=alone.get(i),
-                                 compressed_bytes=by_layer_bytes[i][0], fp16_bytes=by_layer_bytes[i][1]) for i in with_codes],
-        trials=trials, chosen=chosen, met=met, proof=proof, minimal=proof is None or not proof.passes,
-        bytes={"all_compressed": asset_bytes(infos, scheme, compressed),
-               "chosen": asset_bytes(infos, scheme, compressed_names(wanted, scheme, chosen)),
-               "fp16": asset_bytes(infos)},
-        seconds={"forward": round(t_forward, 3), "reverse": round(t_reverse, 3), "alone": round(t_alone, 3),
-                 "trials": round(t_trials, 3), "total": round(time.perf_counter() - t_start, 3)},
+        kendall_tau=kendall_tau(found.fast, found.ranking) if cfg.exhaustive else None,
+        budget_dp=budget, ranking=found.ranking,
+        layers=[LayerSensitivity(layer=i, kind=text.layer_types[i], rel_max_abs_d=est[i].rel_max_abs_d,
+                                 rel_rms_d=est[i].rel_rms_d, estimated_dp=est[i].estimated_dp,
+                                 fisher=est[i].fisher, alone_max_abs_dp=found.alone.get(i),
+                                 compressed_bytes=by_layer_bytes[i][0], fp16_bytes=by_layer_bytes[i][1]) for i in sorted(est)],
+        trials=found.trials, chosen=found.chosen, met=found.met, proof=found.proof,
+        minimal=found.proof is None or not found.proof.passes,
+        bytes={"all_compressed": asset_bytes(inp.infos, scheme, inp.compressed),
+               "chosen": asset_bytes(inp.infos, scheme, compressed_names(inp.wanted, scheme, found.chosen)),
+               "fp16": asset_bytes(inp.infos)},
+        seconds={**found.seconds, "total": round(time.perf_counter() - t_start, 3)},
     )
-    atomic_write_json(out, plan.model_dump(mode="json"))
+    atomic_write_json(Path(cfg.out), plan.model_dump(mode="json"))
     return plan
 
 
