@@ -6,7 +6,7 @@ import tomllib
 from pathlib import Path, PurePath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from .head.contract import BUCKETS, O_PAD, Q_PAD, Shape
 from .data import data_dir
@@ -120,7 +120,7 @@ class BackboneRecipe(BaseModel):
     # fp16 scales (``engine.quantize``); the decoder layers named here stay fp16: a list, or
     # "auto" (``plan-weights`` chooses them for the release's own weights, at build time)
     block: int = Field(default=32, ge=2, le=4096)
-    fp16_layers: tuple[int, ...] | Literal["auto"] = ()
+    fp16_layers: tuple[StrictInt, ...] | Literal["auto"] = ()  # strict: true or 1.0 is not a layer
     # a plan written by ``plan-weights`` (relative to the recipe's folder): its chosen layers stay fp16
     plan: str | None = None
     plan_budget_dp: float = Field(default=0.02, gt=0, le=1)  # "auto": the end-to-end bar the plan meets
@@ -167,6 +167,8 @@ class BackboneRecipe(BaseModel):
             raise ValueError(f"block {self.block} must be even (int4 codes are packed two a byte)")
         if isinstance(self.fp16_layers, tuple) and any(i < 0 for i in self.fp16_layers):
             raise ValueError(f"fp16_layers must be layer indices (0 and up), got {list(self.fp16_layers)}")
+        if isinstance(self.fp16_layers, tuple) and len(set(self.fp16_layers)) != len(self.fp16_layers):
+            raise ValueError(f"fp16_layers names a layer twice: {list(self.fp16_layers)}")
         if self.plan and self.fp16_layers:
             raise ValueError("name either fp16_layers or a plan, not both")
         if self.plan_records is not None and self.weights == "fp16":
@@ -221,6 +223,16 @@ class VisionRecipe(BaseModel):
 
     _plain_name = field_validator("name")(Recipe._plain_name.__func__)  # type: ignore[attr-defined]
     _increasing = field_validator("buckets")(Recipe._increasing.__func__)  # type: ignore[attr-defined]
+
+    @field_validator("buckets")
+    @classmethod
+    def _fits_a_record(cls, v: tuple[int, ...]) -> tuple[int, ...]:
+        from .host.encode import MAX_LENGTH
+
+        if v and v[-1] > MAX_LENGTH:  # an image's tokens take their place in the record
+            raise ValueError(f"bucket {v[-1]:,} tokens cannot fit a record (at most {MAX_LENGTH:,} tokens, "
+                             f"the author's systemone default)")
+        return v
 
     @property
     def cap(self) -> int:

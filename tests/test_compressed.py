@@ -414,6 +414,58 @@ def test_plan_weights_chooses_a_minimal_set_and_the_build_takes_it(release, plan
     assert not (tmp_path / "x.json").exists()
 
 
+def _edit_plan(data: dict, what: str) -> dict:
+    """A plan file edited as a hostile tester would (issue 49 item 1, issue 48 item 2)."""
+    chosen = data["chosen"]
+    unmet = {"fp16_layers": [], "max_abs_dp": 0.5, "mean_abs_dp": 0.1, "passes": False}
+    edits = {
+        "met false": lambda d: d.update(met=False),
+        "chosen -1": lambda d: d.update(chosen=[-1]),
+        "chosen twice": lambda d: d.update(chosen=chosen + chosen[:1]),
+        "a layer the decoder lacks": lambda d: d.update(chosen=[7]),
+        "ranking twice": lambda d: d.update(ranking=d["ranking"][:-1] + d["ranking"][:1]),
+        "budget edited": lambda d: d.update(budget_dp=1e-12),
+        "budget zero": lambda d: d.update(budget_dp=0),
+        "trials removed": lambda d: d.update(trials=[]),
+        # an honest plan that did not meet its budget: its chosen set's trial misses
+        "unmet": lambda d: d.update(trials=[unmet], chosen=[], met=False, proof=None, minimal=True),
+    }
+    edits[what](data)
+    return data
+
+
+@pytest.mark.parametrize("what, code, says", [
+    ("met false", 3, "met = False disagrees with the trials"),
+    ("chosen -1", 2, "invalid weight plan at chosen.0"),
+    ("chosen twice", 2, "chosen names a layer twice"),
+    ("a layer the decoder lacks", 2, "chosen keeps layer 7, which the ranking lacks"),
+    ("ranking twice", 2, "is not the measured layers"),
+    ("budget edited", 3, "but passes = True"),
+    ("budget zero", 2, "invalid weight plan at budget_dp"),
+    ("trials removed", 3, "met = True disagrees with the trials"),
+    ("unmet", 4, "did not meet its budget"),
+])
+def test_a_recipes_plan_is_checked_against_itself_before_any_work(release, plan8, tmp_path, what, code, says):
+    """A plan a recipe names is checked as strictly as a shipped one, by ``build --dry-run`` too: its
+    layers exist once each, its trials back its choice (an edited file: exit 3), it met its budget
+    (exit 4); nothing is written."""
+    data = _edit_plan(json.loads(plan8[0].read_text()), what)
+    (tmp_path / "edited.json").write_text(json.dumps(data))
+    recipe = _recipe(tmp_path, "int8", "fp32", extra='plan = "edited.json"\n')
+    for extra in (["--dry-run"], []):
+        res = runner.invoke(app, ["build", str(recipe), "--source", str(release), "--out", str(tmp_path / "b"), *extra])
+        assert res.exit_code == code and "edited.json: " in res.output and says in res.output, (extra, res.output[-2000:])
+        assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+@pytest.mark.parametrize("layers, says", [("[1, 1]", "names a layer twice"), ("[true]", "valid integer"),
+                                          ("true", "valid tuple"), ("[1.0]", "valid integer")])
+def test_fp16_layers_are_layer_numbers_once_each(tmp_path, layers, says):
+    recipe = _recipe(tmp_path, "int8", "fp32", extra=f"fp16_layers = {layers}\n")
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(tmp_path), "--dry-run"])
+    assert res.exit_code == 2 and recipe.name in res.output and says in res.output, res.output[-2000:]
+
+
 def test_auto_build_chooses_what_plan_weights_chooses_and_ships_the_plan(release, plan8, tmp_path):
     """fp16_layers = "auto": the build runs the planner (the recipe's budget and records) and keeps the
     layers plan-weights chooses on the same records; the plan ships in the bundle with its sha256 in the

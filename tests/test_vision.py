@@ -191,6 +191,15 @@ def test_bucket_choice_and_cap():
     assert choose_bucket(1025, (64, 256, 1024)) is None
 
 
+def test_a_bucket_no_record_can_hold_is_refused_by_the_dry_run(tmp_path):
+    """A bucket of more vision tokens than a record holds can never be called: refused (exit 2,
+    naming the recipe) before the release is read, by ``build --dry-run`` too."""
+    recipe = tmp_path / "vision_huge.toml"
+    recipe.write_text('model = "vision"\nname = "{release}_vision_huge"\nbuckets = [64, 1000000]\n')
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(tmp_path / "nowhere"), "--dry-run"])
+    assert res.exit_code == 2 and "vision_huge.toml" in res.output and "cannot fit a record" in res.output, res.output
+
+
 # ---------------------------------------------------------------- the asset
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError
 
-from ..errors import IntegrityError, UsageError, first_validation_error
+from ..errors import IntegrityError, NumericError, UsageError, first_validation_error
 from ..manifest import Strict
 
 PLAN_VERSION = "0.2"
@@ -33,8 +33,11 @@ class LayerSensitivity(Strict):
     fp16_bytes: int = Field(ge=0)
 
 
+Layer = Annotated[int, Field(ge=0)]  # a decoder layer's index
+
+
 class Trial(Strict):
-    fp16_layers: list[int]
+    fp16_layers: list[Layer]
     max_abs_dp: float  # end to end: the head's probabilities, compressed backbone vs the release's
     mean_abs_dp: float
     passes: bool
@@ -59,11 +62,11 @@ class WeightPlan(Strict):
     ranked_by: Literal["first-order", "exhaustive"] = "exhaustive"
     device: str = "cpu"  # where the plan's arithmetic ran (fp32, TF32 off)
     kendall_tau: float | None = None  # the first-order ranking against the exhaustive one (--exhaustive only)
-    budget_dp: float
-    ranking: list[int]  # layers, most sensitive first (by the ranked_by figure, then rel_max_abs_d)
+    budget_dp: float = Field(gt=0, le=1)
+    ranking: list[Layer]  # layers, most sensitive first (by the ranked_by figure, then rel_max_abs_d)
     layers: list[LayerSensitivity]
     trials: list[Trial]
-    chosen: list[int]  # the layers kept fp16: the smallest set of the ranking's head that met the budget
+    chosen: list[Layer]  # the layers kept fp16: the smallest set of the ranking's head that met the budget
     met: bool  # the chosen set's trial met the budget
     proof: Trial | None = None  # the chosen set less its most sensitive layer (must miss the budget)
     minimal: bool  # the proof trial missed the budget (or nothing is kept fp16)
@@ -101,9 +104,43 @@ def check_plan_fits(plan: WeightPlan, path: Path, scheme, files: dict[str, str],
     if (plan.scheme.bits, plan.scheme.block) != (scheme.bits, scheme.block):
         raise UsageError(f"{path}: a plan for int{plan.scheme.bits} per block of {plan.scheme.block}; the recipe "
                          f"compresses to int{scheme.bits} per block of {scheme.block}")
-    bad = [i for i in plan.chosen if i >= layers]
-    if bad:
-        raise UsageError(f"{path}: keeps layer {bad[0]} fp16; the decoder has {layers} layers")
+    check_plan_backs_choice(plan, path, layers)
+
+
+def layer_problems(plan: WeightPlan, layers: int | None = None) -> list[str]:
+    """What makes a plan's layer numbers mean nothing: a layer measured twice, a ranking that is not
+    the measured layers once each, a kept set (chosen or a trial's) naming a layer twice or one the
+    ranking lacks, a layer past the decoder's ``layers``."""
+    measured = [x.layer for x in plan.layers]
+    problems = []
+    if len(set(measured)) != len(measured):
+        problems.append(f"layers measures layer {next(i for i in measured if measured.count(i) > 1)} twice")
+    if sorted(plan.ranking) != sorted(set(measured)):
+        problems.append(f"ranking {plan.ranking} is not the measured layers {sorted(set(measured))} once each")
+    for what, kept in [("chosen", plan.chosen)] + [(f"trial {t.fp16_layers}", t.fp16_layers)
+                                                    for t in plan.trials + ([plan.proof] if plan.proof else [])]:
+        if len(set(kept)) != len(kept):
+            problems.append(f"{what} names a layer twice")
+        elif not set(kept) <= set(plan.ranking):
+            problems.append(f"{what} keeps layer {min(set(kept) - set(plan.ranking))}, which the ranking lacks")
+    if layers is not None and any(i >= layers for i in measured + plan.chosen):
+        problems.append(f"names layer {max(measured + plan.chosen)}; the decoder has {layers} layers")
+    return problems
+
+
+def check_plan_backs_choice(plan: WeightPlan, path: Path, layers: int | None = None) -> None:
+    """A plan that is read (a recipe's, a build's own): its layer numbers mean something (exit 2), its
+    trials back its choice (an edited or corrupt file: exit 3), and it met its budget (exit 4)."""
+    problems = layer_problems(plan, layers)
+    if problems:
+        raise UsageError(f"{path}: {problems[0]}")
+    problems = plan_problems(plan, minimal=False)  # a plan that is not minimal still meets its budget
+    honest = [p for p in problems if not p.startswith("no trial of the chosen set")]
+    if honest:
+        raise IntegrityError(f"{path}: the plan does not back its choice ({honest[0]}); run plan-weights again")
+    if problems:
+        raise NumericError(f"{path}: did not meet its budget ({problems[0]}); run plan-weights with a larger "
+                           f"--budget-dp or keep more layers fp16")
 
 
 def plan_problems(plan: WeightPlan, minimal: bool = True) -> list[str]:
@@ -147,7 +184,8 @@ def check_shipped_plan(bundle: Path, c) -> str:
         raise IntegrityError(f"{path}: chose fp16 layers {plan.chosen}; the manifest keeps {c.fp16_layers}")
     if (plan.scheme.bits, plan.scheme.block) != (c.bits, c.block):
         raise IntegrityError(f"{path}: a plan for int{plan.scheme.bits} per block of {plan.scheme.block}")
-    problems = plan_problems(plan, minimal=False)  # a plan that is not minimal still meets its budget
-    if problems:
-        raise IntegrityError(f"{path}: {problems[0]}")
+    try:
+        check_plan_backs_choice(plan, path)
+    except (UsageError, NumericError) as exc:
+        raise IntegrityError(str(exc)) from None
     return f"{PLAN_FILE}: fp16 layers {plan.chosen or 'none'}, max |dp| <= {plan.budget_dp:g}, minimal: {plan.minimal}"

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..bundle import atomic_write_bytes, check_free_space
 from ..digest import sha256_file, tree_bytes
-from ..errors import IntegrityError, NumericError, UsageError
+from ..errors import IntegrityError, UsageError
 from ..formats import aimodel  # a backbone is a Core AI asset: the format's own names
 from ..formats.mlirb import Written
 from ..manifest import Compilation, TensorSpec, mlirb_digest, release_source
@@ -153,7 +153,7 @@ def choose_layers(p: BuildPlan, tmp: Path, log=lambda m: None) -> None:
     """``fp16_layers = "auto"``: ``plan-weights`` on the release (in the worker: its memory goes back to
     the OS before the export starts), written into the staged bundle as ``weight-plan.json``; the
     layers it keeps fp16 become the plan's. A plan that did not meet its budget is a failed build."""
-    from ..backbone.plan import load_plan, plan_problems
+    from ..backbone.plan import check_plan_backs_choice, load_plan, plan_problems
     from .plan_weights import PLAN_JOB
 
     out = tmp / PLAN_FILE
@@ -163,9 +163,7 @@ def choose_layers(p: BuildPlan, tmp: Path, log=lambda m: None) -> None:
                      "recipe": recipe.model_dump(mode="json"), "recipe_path": str(p.cfg.recipe_path),
                      "pins_path": str(p.cfg.pins_path), "out": str(out), "checked": p.files}, log)
     plan = load_plan(out)
-    problems = plan_problems(plan, minimal=False)
-    if problems:
-        raise NumericError(f"{out.name}: the plan does not back its choice ({problems[0]})")
+    check_plan_backs_choice(plan, out, len(p.found.text.layer_types))
     if not plan.minimal:  # it meets the budget; a smaller set not on the bisection's path also does
         log(f"note: {plan_problems(plan)[-1]}")
     f = p.found
