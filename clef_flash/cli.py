@@ -749,7 +749,7 @@ def inspect(bundle: Annotated[Path, typer.Argument(help="A built bundle folder: 
 def main() -> None:
     """The entry point. A signal raises ``interrupts.Interrupt`` (not a ``KeyboardInterrupt``, which
     click would turn into "Aborted!" and exit 1 outside ``_run``): one line and exit 130 everywhere."""
-    from .interrupts import Interrupt, done, install
+    from .interrupts import Interrupt, done, install, interrupted
 
     install()  # Ctrl-C and SIGTERM: exit 130 at any moment, nothing landed (interrupts; entry installs them first)
     try:
@@ -758,7 +758,13 @@ def main() -> None:
         done()
         err.print("[bold red]interrupted[/]: nothing was written")
         sys.exit(130)
-    except SystemExit:
+    except SystemExit as exc:
+        # a signal held (a runtime call, a destructor) with no safe point after it: not a success;
+        # a landing step raises on it, so nothing landed after it came
+        if exc.code in (0, None) and interrupted():
+            done()
+            err.print("[bold red]interrupted[/]: nothing was written")
+            sys.exit(130)
         done()  # the command's own exit code stands
         raise
     done()

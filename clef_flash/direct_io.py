@@ -10,16 +10,17 @@ import errno
 import os
 
 
-def open_direct(path, flags: int) -> tuple[int, bool]:
+def open_direct(path, flags: int, mode: int = 0o644) -> tuple[int, bool]:
     """``(fd, direct)``: ``path`` opened with ``O_DIRECT`` added, or without it where the system or
-    the file system refuses it (a tmpfs)."""
+    the file system refuses it (a tmpfs). A file it creates gets ``mode`` (less the umask): data,
+    not a program."""
     direct = getattr(os, "O_DIRECT", 0)
     if direct:
         try:
-            return os.open(path, flags | direct), True
+            return os.open(path, flags | direct, mode), True
         except OSError:
             pass
-    return os.open(path, flags), False
+    return os.open(path, flags, mode), False
 
 
 def refused(fd: int, exc: OSError) -> bool:

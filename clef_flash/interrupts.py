@@ -4,8 +4,10 @@ How it works: docs/modules.md."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from typing import Any, Awaitable, Callable, TypeVar
 
 T = TypeVar("T")
@@ -33,12 +35,28 @@ def _in_import(frame) -> bool:
     return False
 
 
+_redelivering = threading.Event()
+REDELIVER_S = 0.05  # how soon a signal that came during an import is sent again
+
+
+def _redeliver(signum: int) -> None:
+    """The signal sent again shortly (from a thread): the handler then runs where the import has
+    ended, so the command stops there rather than at its next safe point, or at its end."""
+    time.sleep(REDELIVER_S)
+    _redelivering.clear()
+    os.kill(os.getpid(), signum)
+
+
 def _on_signal(signum, frame) -> None:
     _flag.set()
-    if not _deferring[0] and not _in_import(frame):
-        raise Interrupt()
-    # deferred: the next safe point (a log line, a progress tick, a runtime boundary, a landing
-    # step) raises it
+    if _deferring[0]:
+        return  # the runtime's calls return first; run_async raises it when they have
+    if _in_import(frame):
+        if not _redelivering.is_set():
+            _redelivering.set()
+            threading.Thread(target=_redeliver, args=(signum,), daemon=True).start()
+        return
+    raise Interrupt()
 
 
 def install() -> None:

@@ -17,6 +17,7 @@ from typing import Awaitable, Callable, Iterator, TypeVar
 T = TypeVar("T")
 
 PLAIN_EVERY_S = 10.0
+PLAIN_MARK = "· "  # a plain progress line begins so (the export worker's are relayed by it)
 
 
 def _terminal() -> bool:
@@ -60,10 +61,10 @@ def progress(desc: str, total: int, unit: str = "", *, terminal: bool | None = N
             now = time.perf_counter()
             if now - last[0] >= PLAIN_EVERY_S and done[0] < total:
                 last[0] = now
-                print(f"· {label}: {done[0]}/{total} ({now - t0:.0f} s)", file=out, flush=True)
+                print(f"{PLAIN_MARK}{label}: {done[0]}/{total} ({now - t0:.0f} s)", file=out, flush=True)
 
     yield tick
-    print(f"· {label}: {done[0]}/{total} in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
+    print(f"{PLAIN_MARK}{label}: {done[0]}/{total} in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
 
 
 def counting(call: Callable[..., Awaitable[T]], tick: Callable[[int], None]) -> Callable[..., Awaitable[T]]:

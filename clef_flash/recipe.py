@@ -267,4 +267,15 @@ def load_recipe(path: Path | None) -> AnyRecipe:
     try:
         return MODELS[model].model_validate(data)
     except ValidationError as exc:
-        raise UsageError(f"{path}: invalid recipe {first_validation_error(exc)}") from None
+        raise UsageError(f"{path}: invalid recipe {first_validation_error(exc)}{_misplaced(exc, MODELS[model])}") from None
+
+
+def _misplaced(exc: ValidationError, schema) -> str:
+    """A top-level key written under a ``[section]`` (TOML reads a key after a section's header as
+    the section's): the hint that says so."""
+    for e in exc.errors():
+        loc = e.get("loc", ())
+        if e.get("type") == "extra_forbidden" and len(loc) == 2 and loc[1] in schema.model_fields:
+            return (f" ({loc[1]} is a top-level key: in TOML a key after [{loc[0]}] belongs to that section; "
+                    f"move it above [{loc[0]}])")
+    return ""

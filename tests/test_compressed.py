@@ -482,6 +482,10 @@ def test_auto_build_chooses_what_plan_weights_chooses_and_ships_the_plan(release
     assert res.exit_code == 0, res.output[-3000:]
     out = json.loads(res.stdout)
     bundle = tmp_path / "b" / out["name"]
+    streamed = list((tmp_path / "b").rglob("main.mlirb"))  # written by the streamed save: data, not a program
+    assert streamed and all(f.stat().st_mode & 0o111 == 0 for f in streamed), [oct(f.stat().st_mode) for f in streamed]
+    # the planner's progress in the worker reaches the build's log (issue 49 item 4)
+    assert "plan: each layer's own error and first-order effect, last to first (layers): 4/4 in" in res.stderr
     shipped = WeightPlan.model_validate_json((bundle / PLAN_FILE).read_text())
     c = out["export"]["compression"]
     assert shipped.chosen == want.chosen and shipped.ranking == want.ranking and len(want.chosen) >= 1
@@ -814,3 +818,80 @@ def test_the_stitched_trace_writes_the_full_traces_asset(release, tmp_path):
     assert any(s.startswith("traced 3 layers of 4") for s in said[True]) and any("copied them to 4 layers" in s for s in said[True])
     assert any(s.startswith("traced 4 layers") for s in said[False])
     assert digests[True] == digests[False]
+
+
+def _copy_release(release: Path, to: Path, edit) -> Path:
+    """The tiny release copied, edited, and pinned again (a release that disagrees with itself)."""
+    from clef_flash.sources.pinning import pin_local
+
+    copy = to / "tiny_release"
+    shutil.copytree(release, copy)
+    edit(copy)
+    pin_local(copy, overwrite=True)
+    return copy
+
+
+def _set_layers(folder: Path, n: int) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["text_config"]["num_hidden_layers"] = n
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _add_layer(folder: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    shard = folder / "model.safetensors"
+    tensors = load_file(shard)
+    tensors["model.language_model.layers.4.mlp.gate_proj.weight"] = tensors["model.language_model.layers.3.mlp.gate_proj.weight"].clone()
+    save_file(tensors, shard)
+
+
+@pytest.mark.parametrize("recipe_of, edit, says", [
+    ("int8", lambda f: _set_layers(f, 5), "config.json: num_hidden_layers 5 beside 4 layer_types"),
+    ("int8", lambda f: _set_layers(f, 3), "config.json: num_hidden_layers 3 beside 4 layer_types"),
+    ("vision", lambda f: _set_layers(f, 5), "config.json: num_hidden_layers 5 beside 4 layer_types"),
+    ("int8", _add_layer, "config.json: names 4 decoder layers; the shards carry model.language_model.layers.4."),
+])
+def test_a_release_that_disagrees_with_itself_is_refused_before_work(release, tmp_path, recipe_of, edit, says):
+    """config.json's layer count against its layer_types, and against the layers the shards carry
+    (issue 49 item 2): refused by the dry run and the build alike (exit 3, naming config.json)."""
+    copy = _copy_release(release, tmp_path, edit)
+    recipe = ROOT / "conversion" / "vision_fp16w32.toml" if recipe_of == "vision" else _recipe(tmp_path, "int8", "fp32")
+    for extra in (["--dry-run"], []):
+        res = runner.invoke(app, ["build", str(recipe), "--source", str(copy), "--out", str(tmp_path / "b"), *extra])
+        assert res.exit_code == 3 and says in res.output, (extra, res.output[-2000:])
+        assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+def test_a_truncated_shard_is_neither_pinned_nor_built(release, tmp_path):
+    """A shard short of its header's tensors (issue 49 item 3): `pin` refuses it; a build from pins
+    made before the cut refuses it before any work (its hash is checked beside the export, its
+    extent first), naming the shard."""
+    copy = tmp_path / "tiny_release"
+    shutil.copytree(release, copy)
+    shard = copy / "model.safetensors"
+    with open(shard, "r+b") as fh:
+        fh.truncate(shard.stat().st_size - 10_000)
+    res = runner.invoke(app, ["pin", str(copy), "--overwrite"])
+    assert res.exit_code == 3 and "model.safetensors: truncated" in res.output, res.output[-2000:]
+    recipe = _recipe(tmp_path, "int8", "fp32")
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(copy), "--out", str(tmp_path / "b")])
+    assert res.exit_code == 3 and "model.safetensors: truncated" in res.output, res.output[-2000:]
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+    with open(shard, "ab") as fh:  # padded instead: the same file longer than its tensors
+        fh.write(b"\0" * 20_000)
+    res = runner.invoke(app, ["pin", str(copy), "--overwrite"])
+    assert res.exit_code == 3 and "longer than its tensors" in res.output, res.output[-2000:]
+
+
+def test_a_plan_written_under_verify_and_a_missing_plan_say_where_a_plan_goes(tmp_path):
+    """`plan = ...` appended after `[verify]` is that section's key in TOML: the error says so; a plan
+    not found says it is read from the recipe's folder (issue 49 item 4)."""
+    recipe = _recipe(tmp_path, "int8", "fp32", extra='[verify]\nenabled = true\nplan = "plan.json"\n')
+    res = runner.invoke(app, ["build", str(recipe), "--source", str(tmp_path), "--dry-run"])
+    assert res.exit_code == 2 and "verify.plan" in res.output and "move it above [verify]" in res.output, res.output
+    from clef_flash.backbone.plan import load_plan
+    from clef_flash.errors import UsageError
+
+    with pytest.raises(UsageError, match="read from the recipe's own folder"):
+        load_plan(tmp_path / "nowhere.json")

@@ -395,6 +395,56 @@ def test_nothing_lands_after_an_interrupt_that_was_swallowed(handlers, tmp_path)
     assert not final.exists() and list(tmp_path.iterdir()) == []
 
 
+def test_a_signal_during_an_import_stops_the_command_when_the_import_ends(handlers, tmp_path, monkeypatch):
+    """Raising inside an import leaves the module half made, so the handler waits for it; the signal
+    is sent again shortly and stops the command right after the import, not at the work's end
+    (issue 49 item 5: held up to 98 s)."""
+    import importlib
+    import time
+
+    (tmp_path / "slow_import_mod.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.3)\nDONE = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    steps = []
+    with pytest.raises(handlers.Interrupt):
+        module = importlib.import_module("slow_import_mod")
+        steps.append("imported")
+        for _ in range(200):  # work with no safe point of ours (10 s): the signal must not wait for it
+            time.sleep(0.05)
+            steps.append("worked")
+    assert module_whole("slow_import_mod") and steps.count("worked") < 100, steps[:3]
+
+
+def module_whole(name: str) -> bool:
+    import sys
+
+    return getattr(sys.modules.get(name), "DONE", False)
+
+
+def test_a_signal_held_to_the_end_of_a_command_is_not_a_success(monkeypatch):
+    """A signal held (a runtime call, a destructor) with no safe point after it: the command exits
+    130, not 0 (issue 49 item 5: lost during verify-artifact, inspect, build --dry-run)."""
+    import sys
+
+    from clef_flash import cli, interrupts
+
+    def held(*a, **k):
+        interrupts._flag.set()  # what the handler does when it defers
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli, "app", held)
+    monkeypatch.setattr(sys, "argv", ["clef-export", "inspect", "x"])
+    old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            cli.main()
+    finally:
+        interrupts.clear()
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+    assert exc.value.code == 130
+
+
 def _interrupt_when(cmd: list[str], marker: str, delay: float, timeout: int = 300) -> subprocess.CompletedProcess:
     """Run ``cmd``, send SIGINT ``delay`` s after ``marker`` appears on its stderr."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -536,3 +536,39 @@ def test_the_hosts_image_prompt_is_the_authors(release, author_module):
     assert shift_span(text.questions[0].question_span, late) != theirs.questions[0].question_span
     with pytest.raises(ValueError, match="outside the prompt"):
         insert_image([1, 2], 5, 3, start_id=0, pad_id=0, end_id=0, newline=[])
+
+
+def test_no_tower_call_starts_after_ctrl_c(built, release):
+    """A signal during the vision runtime's work: the call in flight returns, no other starts, then
+    exit 130 (issue 49 item 5: every image of the gate ran first)."""
+    import os
+    import signal
+
+    from clef_flash import interrupts
+    from clef_flash.vision.contract import read_preprocessing, read_vision_config
+    from clef_flash.vision.preprocess import pixel_patches
+    from clef_flash.vision.runtime import runner as tower_runner
+
+    vcfg = read_vision_config(release)
+    patches, grid = pixel_patches(_image(64, 64), read_preprocessing(release, vcfg))
+    asset = next(built.glob("*.aimodel"))
+    calls = []
+
+    async def work():
+        async with tower_runner(asset, vcfg) as (call, _have):
+            for i in range(3):
+                calls.append(i)
+                await call(patches, grid, 64)
+                if i == 0:
+                    os.kill(os.getpid(), signal.SIGINT)  # deferred: the runtime's work is under way
+
+    old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    interrupts.install()
+    try:
+        with pytest.raises(interrupts.Interrupt):
+            interrupts.run_async(work)
+    finally:
+        interrupts.clear()
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+    assert calls == [0, 1]  # the second was refused before the runtime ran it; no third

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..bundle import read_json
 from ..errors import not_a_config, refuse_problems
+from ..sources.layers import layer_count_problems
 from ..ops import MASK_BIAS  # noqa: F401 (the decoder's mask bias is the tower's: one value)
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def text_config(raw: dict[str, Any], where: str, tokenizer_pad: int | None = Non
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise not_a_config(where, "Qwen3.5 text configuration", exc) from None
-    refuse_problems(where, check_config(cfg))
+    refuse_problems(where, layer_count_problems(raw) + check_config(cfg))
     return cfg
 
 

@@ -86,7 +86,8 @@ def load_plan(path: Path) -> WeightPlan:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UsageError(f"{path}: weight plan not found") from None
+        raise UsageError(f"{path}: weight plan not found (a recipe's plan = \"...\" is read from the recipe's "
+                         f"own folder)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a readable weight plan ({exc})") from None
     try:

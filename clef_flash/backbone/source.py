@@ -28,5 +28,15 @@ def tokenizer_pad(source: Path) -> int | None:
 
 
 def release_config(source: Path) -> TextConfig:
-    """The release's text configuration, its pad token from the tokenizer when config.json names none."""
-    return read_text_config(source, tokenizer_pad(source))
+    """The release's text configuration, its pad token from the tokenizer when config.json names none;
+    shards carrying a layer the configuration does not name are refused (``IntegrityError``)."""
+    from ..errors import IntegrityError
+    from ..sources.layers import stray_layers
+    from .contract import LM
+
+    text = read_text_config(source, tokenizer_pad(source))
+    stray = stray_layers(source, LM, len(text.layer_types))
+    if stray:
+        raise IntegrityError(f"{Path(source) / 'config.json'}: names {len(text.layer_types)} decoder layers; the shards "
+                             f"carry {stray[0]}" + (f" (+{len(stray) - 1} more)" if len(stray) > 1 else ""))
+    return text

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ClefError, IntegrityError, NumericError, OutputError, ToolchainError, UsageError
+from ..progress import PLAIN_MARK as PROGRESS_MARK
 
 PARENT_ENV = "CLEF_EXPORT_PARENT_PID"
 _ERRORS = {cls.__name__: cls for cls in (UsageError, IntegrityError, NumericError, ToolchainError, OutputError, ClefError)}
@@ -82,6 +83,8 @@ def _run_worker(cmd: list[str], env: dict[str, str], asset_dir: Path, log: Calla
             line = line.rstrip()
             if line.startswith("LOG "):
                 log(line[4:])
+            elif line.startswith(PROGRESS_MARK):  # the worker's progress (a plain line every few seconds)
+                log(line[len(PROGRESS_MARK):])
             elif line.strip() and not line.startswith("ODIE"):
                 other = (other + [line])[-3:]
             if line.startswith("ERROR "):

@@ -17,6 +17,7 @@ from ..bundle import atomic_write_json, check_output_path
 from ..digest import sha256_bytes, sha256_file
 from ..errors import IntegrityError, UsageError
 from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR as LM_HEAD
+from .safetensors import read_header
 from ..layout import LICENSE_FILES
 from .pins import CODE_FILE, HEAD_FILES, HEX40, Pins
 from ..progress import plural
@@ -40,8 +41,6 @@ def git_blob_sha1(data: bytes) -> str:
 
 def _safetensors_keys(path: Path) -> set[str]:
     """The tensor names in a safetensors file's header (no tensor data read)."""
-    from .safetensors import read_header
-
     return set(read_header(path)["header"])
 
 
@@ -119,6 +118,7 @@ def pin_local(folder: Path, out: Path | None = None, *, name: str | None = None,
     if shard is not None:
         if not (folder / shard).is_file():
             raise IntegrityError(f"{folder / shard}: missing (named for {LM_HEAD})")
+        read_header(folder / shard)  # its header and extent: a truncated shard is not pinned
         log(f"hashing {shard} ({(folder / shard).stat().st_size:,} bytes) for the lm_head table")
         files[shard] = sha256_file(folder / shard)
         release["lm_head_file"] = shard
@@ -135,6 +135,7 @@ def pin_local(folder: Path, out: Path | None = None, *, name: str | None = None,
             continue
         if not isinstance(f, str) or "/" in f or f.startswith(".") or not (folder / f).is_file():
             raise IntegrityError(f"{folder / INDEX_FILE}: names shard {f!r}, which the folder does not hold")
+        read_header(folder / f)
         log(f"hashing {f} ({(folder / f).stat().st_size:,} bytes) for the backbone")
         files[f] = sha256_file(folder / f)
     pins = Pins(hf_id=f"local/{release_name}", revision=None, origin="local", name=release_name,

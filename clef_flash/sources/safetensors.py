@@ -26,7 +26,23 @@ def read_header(path: Path) -> dict:
     except (OSError, ValueError, struct.error) as exc:
         raise IntegrityError(f"{path}: not a readable safetensors file ({exc})") from None
     header.pop("__metadata__", None)
+    check_extent(path, header, 8 + n)
     return {"header": header, "base": 8 + n}
+
+
+def check_extent(path: Path, header: dict, base: int) -> None:
+    """The file holds exactly the bytes its header's tensors span (safetensors indexes its whole
+    buffer): a truncated or padded shard is refused here, at pin time and before any build reads it."""
+    try:
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+        size = Path(path).stat().st_size
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise IntegrityError(f"{path}: not a readable safetensors file (a tensor without data_offsets: {exc})") from None
+    except OSError as exc:
+        raise IntegrityError(f"{path}: cannot be read ({exc.strerror})") from None
+    if size != base + end:
+        what = "truncated" if size < base + end else "longer than its tensors"
+        raise IntegrityError(f"{path}: {what}: its header's tensors end at byte {base + end:,}, the file has {size:,}")
 
 
 def shard_files(folder: Path) -> list[str]:

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..bundle import read_json
 from ..errors import IntegrityError, not_a_config, refuse_problems
+from ..sources.layers import layer_count_problems
 
 VISUAL = "model.visual."
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
@@ -79,6 +80,7 @@ def vision_config(raw: dict[str, Any], where: str) -> VisionConfig:
             raise ValueError(f"rope_type {rope['rope_type']!r} (the tower's rotary is axial)")
     except (KeyError, TypeError, ValueError) as exc:
         raise not_a_config(where, "Qwen3.5 vision configuration", exc) from None
+    refuse_problems(where, layer_count_problems(raw))  # transformers reads the whole file: its text part too
     refuse_problems(where, check_config(cfg), "vision_config: ")
     return cfg
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IntegrityError
+from ..interrupts import refuse_if_interrupted
 from .contract import INPUT_ORDER, VisionConfig
 from .host import TowerCall, image_rows, tower_inputs
 
@@ -27,6 +28,7 @@ async def runner(asset: Path, cfg: VisionConfig, scratch: Path | None = None):
     with native_stderr(), owned_tempdir(scratch):
         async with AIModelAsset.load(Path(asset)).executable() as model:
             async def call(patches: np.ndarray, grid, bucket: int) -> tuple[np.ndarray, TowerCall]:
+                refuse_if_interrupted()  # Ctrl-C: no tower call starts after it (interrupts.run_async)
                 c = tower_inputs(patches, grid, cfg, bucket)
                 fn = model.load_function(c.function)
                 if fn is None:
