@@ -272,6 +272,9 @@ def synth_release(
                                                 "streamed (random bf16, 2 GiB shards, the real head configuration).")] = None,
     layers: Annotated[Optional[int], typer.Option("--layers", help="With --size: only the first N layers (4: 3 linear + 1 full).")] = None,
     vision: Annotated[bool, typer.Option("--vision", help="With --size: the 9B's vision tower too (27 blocks, 456M parameters, random bf16) and its preprocessor_config.json.")] = False,
+    processor_file: Annotated[str, typer.Option("--processor-file", help="Where the tiny release keeps its image "
+                                                "processor's settings: preprocessor_config.json (the older layout) or "
+                                                "processor_config.json (transformers 5's, as make-tiny writes it).")] = "preprocessor_config.json",
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Write a random release in clef-finetune's layout: tiny (make-tiny's head configuration), or at real width (--size)."""
@@ -300,6 +303,11 @@ def synth_release(
         err.print(f"[bold red]error:[/] --variant must be one of {', '.join(VARIANTS)} (other needs --backbone qwen3_5), got {variant!r}")
         raise typer.Exit(2)
 
+    from .layout import PROCESSOR_FILES
+
+    if processor_file not in PROCESSOR_FILES:
+        err.print(f"[bold red]error:[/] --processor-file must be one of {', '.join(PROCESSOR_FILES)}, got {processor_file!r}")
+        raise typer.Exit(2)
     code = _run(lambda: require_author_code(author_code))  # before the 20 s import of the reference
 
     def go():
@@ -308,7 +316,8 @@ def synth_release(
 
             import_reference()
         return write_release(out_dir, config_name=MAKE_TINY_HEAD if variant == "tiny" else OTHER_HEAD, seed=seed,
-                             author_code=code, backbone=backbone, overwrite=overwrite, variant=variant)
+                             author_code=code, backbone=backbone, overwrite=overwrite, variant=variant,
+                             processor_file=processor_file)
 
     _run(go)
     err.print(f"tiny random release ({backbone} backbone, seed {seed}) in {out_dir}; pin it with clef-export pin {out_dir}")

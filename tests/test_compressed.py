@@ -895,3 +895,19 @@ def test_a_plan_written_under_verify_and_a_missing_plan_say_where_a_plan_goes(tm
 
     with pytest.raises(UsageError, match="read from the recipe's own folder"):
         load_plan(tmp_path / "nowhere.json")
+
+
+def test_a_release_folder_without_pins_is_told_to_pin_it(release, tmp_path):
+    """A release folder with no pins.json is checked against the published pins (a download of
+    clef-flash needs none of its own); where they do not fit, the error says the folder has no pins
+    and how to make them (issue 48 item 4), before any work."""
+    copy = tmp_path / "tiny_release"
+    shutil.copytree(release, copy)
+    (copy / "pins.json").unlink()
+    for cmd in (["plan-weights", str(copy), "--recipe", str(ROOT / "conversion" / "backbone_pf64_int8.toml"),
+                 "--out", str(tmp_path / "plan.json")],
+                ["build", str(ROOT / "conversion" / "backbone_pf64_int8.toml"), "--source", str(copy), "--dry-run"]):
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 3 and f"{copy} has no pins.json" in res.output and f"clef-export pin {copy}" in res.output, \
+            res.output[-2000:]
+    assert not (tmp_path / "plan.json").exists()

@@ -572,3 +572,81 @@ def test_no_tower_call_starts_after_ctrl_c(built, release):
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])
     assert calls == [0, 1]  # the second was refused before the runtime ran it; no third
+
+
+# ---------------------------------------------------------------- releases as clef-finetune writes them
+
+
+def test_a_make_tiny_release_goes_through_every_build_and_check_release_with_images(make_tiny, tmp_path, monkeypatch):
+    """A release written by clef-finetune's own make-tiny keeps its image processor's settings in
+    processor_config.json (under "image_processor", beside a video processor's), with no
+    preprocessor_config.json (issue 48): pinned, head, decoder and vision builds (each gated), then
+    check-release with the project's image requests, all passing; the vision manifest carries that
+    file's settings, not a default's."""
+    import sys
+
+    from .conftest import TINY_RECIPE
+
+    rel = make_tiny(0)
+    assert (rel / "processor_config.json").is_file() and not (rel / "preprocessor_config.json").exists()
+    pins = json.loads((rel / "pins.json").read_text())
+    assert "processor_config.json" in pins["files"]
+    backbone = tmp_path / "backbone_img.toml"
+    backbone.write_text('model = "backbone"\nname = "{release}_decode_img_pf64"\nchunk = 64\ncontext = 2048\n'
+                        'weights = "fp16"\ncompute = "fp32"\nimage_rows = 1024\n')
+    monkeypatch.setenv("PATH", "/usr/bin:/bin:" + str(Path(sys.executable).parent))  # no xcrun: AOT skipped
+    dist = tmp_path / "dist"
+    res = runner.invoke(app, ["release", str(TINY_RECIPE), str(backbone), str(RECIPE), "--source", str(rel),
+                              "--dist", str(dist), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    head, bb, vis = json.loads(res.stdout)["bundles"]
+    settings = json.loads((rel / "processor_config.json").read_text())["image_processor"]
+    pre = json.loads((dist / vis / "metadata.json").read_text())["preprocess"]
+    assert pre["max_pixels"] == settings["size"]["longest_edge"] and pre["min_pixels"] == settings["size"]["shortest_edge"]
+    assert pre["image_mean"] == settings["image_mean"]
+    res = runner.invoke(app, ["check-release", str(rel), "--bundle", str(dist / head), "--backbone", str(dist / bb),
+                              "--vision", str(dist / vis), "--requests", str(ROOT / "conversion" / "requests-images.jsonl"),
+                              "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    s = json.loads(res.stdout)
+    assert s["checked"] == 6 and s["disagreements"] == 0 and s["max_abs_dp"] <= s["bar"]
+    assert s["images"]["through_vision"] == 6 and s["images"]["host_patches_equal"] and s["images"]["host_prompt_equal"]
+
+
+@pytest.mark.parametrize("layout", ["preprocessor_config.json", "processor_config.json", "both", "both disagreeing",
+                                    "neither", "no image_processor"])
+def test_the_image_processor_is_read_from_either_layout(release, tmp_path, layout):
+    """The older file where present, transformers 5's otherwise; both present must agree (an error
+    naming both); neither, or a processor file without its image part, is refused naming the file."""
+    from clef_flash.errors import IntegrityError
+    from clef_flash.synth.release import write_processor_settings
+    from clef_flash.vision.contract import read_preprocessing, read_vision_config
+
+    folder = tmp_path / "r"
+    folder.mkdir()
+    shutil.copyfile(release / "config.json", folder / "config.json")
+    if layout in ("preprocessor_config.json", "both", "both disagreeing"):
+        write_processor_settings(folder, "preprocessor_config.json")
+    if layout in ("processor_config.json", "both", "both disagreeing"):
+        write_processor_settings(folder, "processor_config.json")
+    if layout == "both disagreeing":
+        data = json.loads((folder / "processor_config.json").read_text())
+        data["image_processor"]["size"]["longest_edge"] = 1003520
+        (folder / "processor_config.json").write_text(json.dumps(data))
+    if layout == "no image_processor":
+        (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    vcfg = read_vision_config(folder)
+    if layout in ("preprocessor_config.json", "processor_config.json", "both"):
+        assert read_preprocessing(folder, vcfg) == read_preprocessing(release, vcfg)
+        return
+    with pytest.raises(IntegrityError) as err:
+        read_preprocessing(folder, vcfg)
+    says = {"both disagreeing": "preprocessor_config.json and ", "neither": "preprocessor_config.json: missing, and no "
+            "processor_config.json", "no image_processor": "processor_config.json: no \"image_processor\""}[layout]
+    assert says in str(err.value) and (layout != "both disagreeing" or "disagree on size" in str(err.value)), str(err.value)
+
+
+def test_synth_release_refuses_an_unknown_processor_file(tmp_path):
+    res = runner.invoke(app, ["synth-release", str(tmp_path / "r"), "--processor-file", "image.json"])
+    assert res.exit_code == 2 and "--processor-file must be one of preprocessor_config.json, processor_config.json" in res.output
+    assert not (tmp_path / "r").exists()

@@ -20,8 +20,9 @@ from ..sources.safetensors import INDEX_FILE, shard_files
 from ..provenance import asset_description, build_date
 from ..sources.pinned_files import check_pinned, verify_files
 from ..engine.streamed_weights import locate, scratch_bytes
-from ..vision.contract import (INPUT_ORDER, KIND, OUTPUT_NAMES, PREPROCESSOR_CONFIG, VisionConfig, function_name,
-                               input_dtypes, input_shapes, read_preprocessing, read_vision_config, weight_names)
+from ..sources.image_processor import image_processor_settings, processor_files
+from ..vision.contract import (INPUT_ORDER, KIND, OUTPUT_NAMES, VisionConfig, function_name, input_dtypes, input_shapes,
+                               read_preprocessing, read_vision_config, weight_names)
 from ..vision.manifest import (HOST_CALL, METADATA_VERSION, PREPROCESS_RULE, Function, Preprocess, Tower, VisionExport,
                                VisionInterface, VisionManifest)
 from ..gate.vision import VisionVerifyConfig, tolerances, verify_vision
@@ -51,7 +52,7 @@ def compiles(recipe) -> bool:
 
 def read_files(source: Path) -> list[str]:
     """Every file of the release a vision build reads: config, preprocessor config, index, shards."""
-    names = [BACKBONE_CONFIG, PREPROCESSOR_CONFIG]
+    names = [BACKBONE_CONFIG, *processor_files(source)]
     if (source / INDEX_FILE).is_file():
         names.append(INDEX_FILE)
     return names + shard_files(source)
@@ -68,10 +69,10 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> BuildPlan
     if not source.is_dir():
         raise IntegrityError(f"{source}: source folder not found")
     names = read_files(source)
-    for required in (BACKBONE_CONFIG, PREPROCESSOR_CONFIG):
-        if not (source / required).is_file():
-            raise IntegrityError(f"{source / required}: missing (a vision build reads the tower's configuration and "
-                                 f"its image processor's)")
+    if not (source / BACKBONE_CONFIG).is_file():
+        raise IntegrityError(f"{source / BACKBONE_CONFIG}: missing (a vision build reads the tower's configuration and "
+                             f"its image processor's)")
+    image_processor_settings(source)  # either layout; missing or two that disagree: refused before hashing
     later = [n for n in shard_files(source) if n in names] if defer else []
     check_pinned(source, pins, cfg.pins_path, later)
     digests = verify_files(source, pins, cfg.pins_path, [n for n in names if n not in later], log)

@@ -168,13 +168,11 @@ def reference_tower(source: Path, infos: dict[str, Any]):
 
 def processor_patches(source: Path, image) -> np.ndarray:
     """transformers' own image processor on ``image`` (the PIL backend: no torchvision here)."""
-    import json
-
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from ..vision.contract import PREPROCESSOR_CONFIG
+    from ..sources.image_processor import image_processor_settings
 
-    raw = json.loads((Path(source) / PREPROCESSOR_CONFIG).read_text(encoding="utf-8"))
+    raw, _where = image_processor_settings(Path(source))
     keep = {k: v for k, v in raw.items() if k not in ("image_processor_type", "processor_class")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -36,22 +36,39 @@ def verify_files(source: Path, pins: Pins, pins_path: Path, names: list[str], lo
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         actual = dict(zip(names, pool.map(digest, names)))
-    compare(source, pins, actual)
+    compare(source, pins, actual, pins_path)
     return actual
+
+
+def _own_pins_missing(source: Path, pins_path: Path | None) -> str:
+    """Where a release folder without its own pins.json was checked against the published pins (the
+    default): what to do instead, else ""."""
+    from ..data import default_pins
+
+    if pins_path is None or (Path(source) / "pins.json").is_file():
+        return ""
+    try:
+        default = Path(pins_path).resolve() == default_pins().resolve()
+    except OSError:
+        return ""
+    return (f"{source} has no pins.json, so the published clef-flash pins were used; pin the folder "
+            f"(clef-export pin {source}) or pass --pins") if default else ""
 
 
 def check_pinned(source: Path, pins: Pins, pins_path: Path, names: list[str]) -> None:
     for name in names:
         path = source / name
         if name not in pins.files:
-            raise IntegrityError(f"{path}: not pinned in {pins_path}; re-pin the release (clef-export pin) so the "
-                                 f"backbone's files are pinned")
+            hint = _own_pins_missing(source, pins_path)
+            raise IntegrityError(f"{path}: not pinned in {pins_path}; " + (hint or "re-pin the release (clef-export pin) "
+                                 "so the backbone's files are pinned"))
         if not path.is_file():
             raise IntegrityError(f"{path}: missing")
 
 
-def compare(source: Path, pins: Pins, actual: dict[str, str]) -> None:
+def compare(source: Path, pins: Pins, actual: dict[str, str], pins_path: Path | None = None) -> None:
     for name, digest in actual.items():
         if digest != pins.files[name]:
+            hint = _own_pins_missing(source, pins_path)
             raise IntegrityError(f"{source / name}: sha256 mismatch (expected {pins.files[name][:12]}…, "
-                                 f"got {digest[:12]}…)")
+                                 f"got {digest[:12]}…)" + (f"; {hint}" if hint else ""))

@@ -18,7 +18,7 @@ from ..digest import sha256_bytes, sha256_file
 from ..errors import IntegrityError, UsageError
 from .lm_head import INDEX_FILE, SINGLE_FILE, TENSOR as LM_HEAD
 from .safetensors import read_header
-from ..layout import LICENSE_FILES
+from ..layout import LICENSE_FILES, PROCESSOR_FILES
 from .pins import CODE_FILE, HEAD_FILES, HEX40, Pins
 from ..progress import plural
 
@@ -28,7 +28,6 @@ BACKBONE_CONFIG = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
 # the image processor's configuration, which a vision build reads (the release has it when it has a tower)
-PROCESSOR_FILES = ("preprocessor_config.json",)
 TINY_MARKER = "TINY_RANDOM_MODEL.txt"
 # what the release record keeps of CLEF_FINETUNE.json
 PROVENANCE_KEYS = ("tool", "base_model", "checkpoint", "dtype", "head_dtype", "joint_schema_model_sha256")

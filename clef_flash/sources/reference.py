@@ -74,11 +74,12 @@ def image_text_processor(release: Path, tokenizer: Any):
                 warnings.simplefilter("ignore")  # min_pixels / max_pixels per call: deprecated, still honoured
                 return super().__call__(*args, **kwargs)
 
-    path = Path(release) / "preprocessor_config.json"
+    from .image_processor import image_processor_settings
+
+    raw, path = image_processor_settings(Path(release))
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
         image = Qwen2VLImageProcessorPil(**{k: v for k, v in raw.items() if k not in ("image_processor_type", "processor_class")})
-    except (OSError, ValueError, TypeError) as exc:
+    except (ValueError, TypeError) as exc:
         raise IntegrityError(f"{path}: not a Qwen2-VL image processor configuration ({str(exc).splitlines()[0][:160]})") from None
     return ImageTextProcessor(image_processor=image, tokenizer=tokenizer, video_processor=None)
 
@@ -129,7 +130,9 @@ class Reference:
             raise IntegrityError(f"{release}: cannot load the tokenizer ({str(exc).splitlines()[0][:200]})") from None
         if tokenizer.pad_token_id is None:
             raise IntegrityError(f"{release}: the tokenizer has no pad token (systemone pads with it)")
-        self.images = (release / "preprocessor_config.json").is_file()
+        from .image_processor import processor_files
+
+        self.images = bool(processor_files(release))
         self.processor = image_text_processor(release, tokenizer) if self.images else TextProcessor(tokenizer=tokenizer)
         if self.images and getattr(backbone.config, "image_token_id", None) != self.processor.image_token_id:
             # the model puts the tower's rows where config.json's id stands; the processor writes the tokenizer's

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..sources.author import AUTHOR_SHA256, build_head, read_verified
 from ..bundle import atomic_write_json, check_output_path, output_lock, staged_dir
+from ..layout import PREPROCESSOR_CONFIG, PROCESSOR_FILES
 from ..head.contract import CONFIGS
 from ..digest import sha256_bytes, sha256_file
 from ..sources.pins import CODE_FILE, CONFIG_FILE, WEIGHTS_FILE, Pins
@@ -155,7 +156,8 @@ RELEASE_TINY_MARKER = "TINY_RANDOM_MODEL.txt"
 
 
 def write_release(out: Path, *, config_name: str | dict, seed: int, author_code: Path, vocab: int = 512,
-                  layout: str = "single", backbone: str = "stub", overwrite: bool = False, variant: str = "tiny") -> Path:
+                  layout: str = "single", backbone: str = "stub", overwrite: bool = False, variant: str = "tiny",
+                  processor_file: str = PREPROCESSOR_CONFIG) -> Path:
     """A release folder in clef-finetune's layout, with random weights: ``config.json``, the
     backbone's ``model.safetensors`` (``single``; ``sharded`` with an index; ``tied``: no
     ``lm_head.weight``), the head's three files as ``merge`` writes them (the author's unmodified
@@ -166,7 +168,9 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
     ``backbone="stub"`` writes only the tensors the head's export needs (embeddings, final norm,
     lm_head); ``backbone="qwen3_5"`` writes a real tiny ``Qwen3_5ForConditionalGeneration`` and a
     byte-level tokenizer (``write_qwen3_5_backbone``; needs transformers), so the author's own
-    model answers requests from the folder (``check-release``)."""
+    model answers requests from the folder (``check-release``), with its image processor's settings in
+    ``processor_file``: ``preprocessor_config.json`` (the older layout) or ``processor_config.json``
+    (transformers 5's, as make-tiny writes it)."""
     import torch
     from safetensors.torch import save_file
 
@@ -176,6 +180,8 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
         raise ValueError(f"layout must be single, sharded or tied, got {layout!r}")
     if backbone not in ("stub", "qwen3_5"):
         raise ValueError(f"backbone must be stub or qwen3_5, got {backbone!r}")
+    if processor_file not in PROCESSOR_FILES:
+        raise ValueError(f"processor_file must be one of {', '.join(PROCESSOR_FILES)}, got {processor_file!r}")
     if backbone == "qwen3_5" and layout != "single":
         raise ValueError("a qwen3_5 backbone is written as one model.safetensors with lm_head.weight (layout single)")
     name, config = _config(config_name)
@@ -199,7 +205,8 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
         meta = {"format": "pt"}
         if backbone == "qwen3_5":
             text, shard = VARIANTS[variant]
-            write_qwen3_5_backbone(tmp, hidden=hidden, vocab=vocab, seed=seed, text=text, max_shard_size=shard)
+            write_qwen3_5_backbone(tmp, hidden=hidden, vocab=vocab, seed=seed, text=text, max_shard_size=shard,
+                                   processor_file=processor_file)
         elif layout == "sharded":
             from ..sources.lm_head import INDEX_FILE
 
@@ -281,8 +288,15 @@ PREPROCESSOR: dict = {"image_processor_type": "Qwen2VLImageProcessor", "processo
                       "size": {"shortest_edge": 256 * 256, "longest_edge": 4096 * 4096}}
 
 
+# the video processor's settings make-tiny's processor_config.json carries beside the image one's
+# (not read: videos are refused)
+VIDEO_PROCESSOR: dict = {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16, "temporal_patch_size": 2,
+                         "merge_size": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "fps": 2,
+                         "size": {"shortest_edge": 131072, "longest_edge": 786432}}
+
+
 def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int, text: dict | None = None,
-                           max_shard_size: str | None = None) -> None:
+                           max_shard_size: str | None = None, processor_file: str = PREPROCESSOR_CONFIG) -> None:
     """A tiny ``Qwen3_5ForConditionalGeneration`` (3 linear-attention layers + 1 full-attention
     layer, a one-block vision tower, untied lm_head) stored bf16 as one ``model.safetensors``, with
     ``config.json``, ``generation_config.json`` and the tokenizer files, seeded. ``text`` replaces
@@ -319,4 +333,15 @@ def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int, 
                 norm[d] = norm[d] + OUTLIER_SCALE
     model.to(torch.bfloat16).save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(folder)
-    (Path(folder) / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2, sort_keys=True) + "\n")
+    write_processor_settings(Path(folder), processor_file)
+
+
+def write_processor_settings(folder: Path, processor_file: str) -> None:
+    """``PREPROCESSOR`` as ``preprocessor_config.json``, or under ``"image_processor"`` of a
+    ``processor_config.json`` beside a video processor's settings (transformers 5's layout)."""
+    if processor_file == PREPROCESSOR_CONFIG:
+        data = PREPROCESSOR
+    else:
+        image = {k: v for k, v in PREPROCESSOR.items() if k != "processor_class"}
+        data = {"processor_class": PREPROCESSOR["processor_class"], "image_processor": image, "video_processor": VIDEO_PROCESSOR}
+    (folder / processor_file).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -10,10 +10,10 @@ from typing import Any
 
 from ..bundle import read_json
 from ..errors import IntegrityError, not_a_config, refuse_problems
+from ..sources.image_processor import image_processor_settings
 from ..sources.layers import layer_count_problems
 
 VISUAL = "model.visual."
-PREPROCESSOR_CONFIG = "preprocessor_config.json"
 INPUT_ORDER: tuple[str, ...] = ("patches", "pos_index", "pos_weight", "patch_rc", "patch_count")
 OUTPUT_NAMES: tuple[str, ...] = ("image_embeds",)
 TAPS = 4  # bilinear: two taps an axis
@@ -170,9 +170,8 @@ def preprocessing(raw: dict[str, Any], where: str, vcfg: VisionConfig | None = N
 
 
 def read_preprocessing(folder: Path, vcfg: VisionConfig | None = None) -> Preprocessing:
-    path = Path(folder) / PREPROCESSOR_CONFIG
-    return preprocessing(read_json(path, hint="a release with a vision tower ships its image processor's "
-                                   "preprocessor_config.json"), str(path), vcfg)
+    raw, where = image_processor_settings(folder)
+    return preprocessing(raw, where, vcfg)
 
 
 def weight_names(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
