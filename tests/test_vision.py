@@ -650,3 +650,41 @@ def test_synth_release_refuses_an_unknown_processor_file(tmp_path):
     res = runner.invoke(app, ["synth-release", str(tmp_path / "r"), "--processor-file", "image.json"])
     assert res.exit_code == 2 and "--processor-file must be one of preprocessor_config.json, processor_config.json" in res.output
     assert not (tmp_path / "r").exists()
+
+
+def test_image_requests_no_model_can_answer_are_listed_before_the_long_work(release, tmp_path):
+    """A truncated image, a file that is not one, pixel bounds that are not numbers, an aspect past
+    the processor's 200, a record that cannot hold its schema: each named by request line and file
+    and listed as not fitting before the reference is loaded; the good request is still checked
+    (issue 48 item 1: each was a late crash, "cannot write output" or "unexpected error")."""
+    from PIL import Image
+
+    from .conftest import build_bundle
+
+    head = build_bundle(release, tmp_path / "b")
+    src = (ROOT / "conversion" / "images" / "screenshot.png").read_bytes()
+    (tmp_path / "trunc.png").write_bytes(src[: len(src) // 2])
+    (tmp_path / "text.png").write_text("not an image")
+    Image.new("RGB", (5000, 20), (200, 10, 10)).save(tmp_path / "wide.png")
+    good = str(ROOT / "conversion" / "images" / "screenshot.png")
+    base = {"model": "clef-flash", "state": "A user attached a picture.",
+            "questions": {"kind": {"type": "noul", "instructions": "Is it an error?"}}}
+    long_schema = {f"q{i}": {"type": "noul", "instructions": "word " * 400} for i in range(12)}
+    cases = [("trunc", "trunc.png", {}, "trunc.png: not an image Pillow can read (image file is truncated)"),
+             ("text", "text.png", {}, "text.png: not an image Pillow can read"),
+             ("lots", good, {"media_kwargs": {"max_pixels": "lots"}}, "media_kwargs max_pixels must be a whole number"),
+             ("wide", "wide.png", {}, "wide.png: aspect ratio 250.0 is over 200"),
+             ("schema", good, {"questions": long_schema}, "tokens before the state; at most 16384 fit"),
+             ("good", good, {}, None)]
+    lines = [json.dumps({**base, "id": name, "images": [img], **extra}) for name, img, extra, _ in cases]
+    (tmp_path / "req.jsonl").write_text("\n".join(lines) + "\n")
+    res = runner.invoke(app, ["check-release", str(release), "--bundle", str(head), "--requests", str(tmp_path / "req.jsonl"),
+                              "--transcript", str(tmp_path / "t.json"), "--json"])
+    assert res.exit_code == 0, res.output[-3000:]
+    s = json.loads(res.stdout)
+    assert s["checked"] == 1 and s["does_not_fit"] == 5 and s["disagreements"] == 0
+    why = {e["id"]: (e["line"], e["why"]) for e in json.loads((tmp_path / "t.json").read_text())["does_not_fit"]}
+    for n, (name, _img, _extra, says) in enumerate(cases, 1):
+        assert (name in why) == (says is not None) and (says is None or (why[name][0] == n and says in why[name][1])), (name, why)
+    listed = res.stderr.index("request trunc (line 1)")
+    assert listed < res.stderr.index("reference: ")  # before the author's model was loaded

@@ -233,7 +233,28 @@ class HostEncoder:
         return encode(self.tokenizer, req.body, image_tokens=self.image_tokens(req) if req.images else None)
 
 
-def _reference_pass(cfg: CheckConfig, requests, ref_model, side: _Shipped):
+def _refusals(requests, release: Path, log) -> dict[int, str]:
+    """The requests no model can answer, found before the long work, by the host's own encoder (an
+    image unreadable, its pixel bounds not numbers, its aspect past the processor's limit, a record
+    that cannot hold the schema and the image): request line -> why, each listed, the rest checked."""
+    from ..head.host import HostInputError
+    from ..sources.image_processor import processor_files
+
+    encoder, out = HostEncoder(release), {}
+    images = bool(processor_files(release))  # without the processor's settings the reference pass says why
+    for req in requests:
+        if req.images and not images:
+            continue
+        try:
+            encoder.encode(req)
+        except (UsageError, HostInputError, ValueError) as exc:
+            where = f"{req.images[0]}: " if req.images and str(req.images[0]) not in str(exc) else ""
+            out[req.line] = f"{where}{exc}"
+            log(f"request {req.id} (line {req.line}): {out[req.line]}: listed, not run")
+    return out
+
+
+def _reference_pass(cfg: CheckConfig, requests, ref_model, side: _Shipped, refused: dict[int, str]):
     """The reference side, request by request: (entries, [(entry index, Seen, the questions the host
     reads, bucket)], entry index -> the host's prepared image)."""
     from ..progress import progress
@@ -250,6 +271,9 @@ def _reference_pass(cfg: CheckConfig, requests, ref_model, side: _Shipped):
             i = len(entries)
             entry: dict[str, Any] = {"id": req.id, "line": req.line, "questions": len(req.body["questions"])}
             entries.append(entry)
+            if req.line in refused:
+                entry["tokens"], entry["options"], entry["does_not_fit"] = 0, 0, refused[req.line]
+                continue
             if req.images:
                 entry["image"] = {"file": str(req.images[0])}
                 why = vision_part.image_not_run(ref_model, side.backbone, side.vision)
@@ -343,6 +367,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     release, bundle = Path(cfg.release), Path(cfg.bundle)
     _check_options(cfg, release, bundle)
     requests = load_requests(cfg.requests or default_requests(), images=True)
+    refused = _refusals(requests, release, log)
     import_reference()
     side = _open_shipped(cfg, release, bundle)
     q_pad, o_pad = side.pads
@@ -352,7 +377,7 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
         ref_model = Reference(release, side.module, side.config, side.state, device=cfg.device, dtype=cfg.dtype, log=log)
         shipped_table = head_part.NextRowTable(table) if cfg.red == "lexical" else table
         t0 = time.perf_counter()
-        entries, seen_by, prepared = _reference_pass(cfg, requests, ref_model, side)
+        entries, seen_by, prepared = _reference_pass(cfg, requests, ref_model, side, refused)
         seconds["reference"] = time.perf_counter() - t0
         log(f"reference: {plural(len(seen_by), 'request')} answered in {seconds['reference']:.1f} s; "
             f"{len(entries) - len(seen_by)} do not fit")

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..engine.bundle_read import OpenedBundle
-from ..errors import IntegrityError
+from ..errors import IntegrityError, UsageError
 from ..interrupts import run_async
 from ..progress import plural
 from .contract import Preprocessing, VisionConfig
@@ -66,11 +66,20 @@ def open_vision(bundle: Path, release: Path, hidden_size: int, digests: dict[str
 
 
 def pixel_bounds(media_kwargs: dict[str, Any] | None) -> dict[str, int | None]:
-    """The request's pixel bounds as the processor reads them (``size`` or min / max_pixels)."""
+    """The request's pixel bounds as the processor reads them (``size`` or min / max_pixels), each a
+    whole number of pixels (``UsageError`` otherwise: a request's input, never a crash deeper in)."""
     kw = dict(media_kwargs or {})
     size = kw.get("size") or {}
-    return {"max_pixels": kw.get("max_pixels", size.get("longest_edge")),
-            "min_pixels": kw.get("min_pixels", size.get("shortest_edge"))}
+    if not isinstance(size, dict):
+        raise UsageError(f"media_kwargs size must be an object (shortest_edge, longest_edge), got {size!r}")
+    out = {"max_pixels": kw.get("max_pixels", size.get("longest_edge")),
+           "min_pixels": kw.get("min_pixels", size.get("shortest_edge"))}
+    for k, v in out.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise UsageError(f"media_kwargs {k} must be a whole number of pixels (1 and up), got {v!r}")
+    if out["max_pixels"] is not None and out["min_pixels"] is not None and out["min_pixels"] > out["max_pixels"]:
+        raise UsageError(f"media_kwargs min_pixels {out['min_pixels']} is over max_pixels {out['max_pixels']}")
+    return out
 
 
 def prepare(vision: ShippedVision, file: Path, media_kwargs: dict[str, Any] | None = None) -> PreparedImage:
