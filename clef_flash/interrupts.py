@@ -39,12 +39,23 @@ _redelivering = threading.Event()
 REDELIVER_S = 0.05  # how soon a signal that came during an import is sent again
 
 
+_raised = threading.Event()  # an Interrupt was raised: the command is unwinding
+
+
 def _redeliver(signum: int) -> None:
     """The signal sent again shortly (from a thread): the handler then runs where the import has
-    ended, so the command stops there rather than at its next safe point, or at its end."""
+    ended, so the command stops there rather than at its next safe point, or at its end. Not once
+    the command is unwinding (a safe point raised it meanwhile): a second Interrupt inside its
+    clean-up, or inside the runtime's teardown, is what aborts a native runtime."""
     time.sleep(REDELIVER_S)
     _redelivering.clear()
-    os.kill(os.getpid(), signum)
+    if not _raised.is_set():
+        os.kill(os.getpid(), signum)
+
+
+def _interrupt() -> Interrupt:
+    _raised.set()
+    return Interrupt()
 
 
 def _on_signal(signum, frame) -> None:
@@ -56,7 +67,7 @@ def _on_signal(signum, frame) -> None:
             _redelivering.set()
             threading.Thread(target=_redeliver, args=(signum,), daemon=True).start()
         return
-    raise Interrupt()
+    raise _interrupt()
 
 
 def install() -> None:
@@ -93,7 +104,7 @@ def interrupted() -> bool:
 
 def check_interrupted() -> None:
     if _flag.is_set():
-        raise Interrupt()
+        raise _interrupt()
 
 
 def refuse_if_interrupted() -> None:
@@ -105,6 +116,7 @@ def refuse_if_interrupted() -> None:
 def clear() -> None:
     """Forget a signal (tests that send one in-process)."""
     _flag.clear()
+    _raised.clear()
 
 
 def run_async(make: Callable[[], Awaitable[T]]) -> T:

@@ -150,3 +150,17 @@ def test_table_killed_mid_write_then_rerun(tmp_path, tiny_source, author_code):
     assert r.returncode == 0, r.stderr[-1500:]
     assert sorted(os.listdir(host)) == ["lm_head_fp16.bin", "lm_head_fp16.json", "notes.txt"]  # the temp swept
     assert (host / "lm_head_fp16.bin").stat().st_size == 400_000 * 64 * 2
+
+
+def test_the_converters_full_disk_is_a_full_disk(tmp_path):
+    """The export worker dying of the converter's own words for a full disk ("There isn’t enough
+    space", measured on a tmpfs filled during a vision build) is an output error naming the folder
+    (exit 1), not a toolchain failure (exit 5). Issue 48 item 6."""
+    from clef_flash.build.process import _run_worker
+    from clef_flash.errors import OutputError
+
+    said = "RuntimeError: The operation could not be completed. There isn\u2019t enough space."
+    cmd = [sys.executable, "-c", f"import sys; print({said!r}, file=sys.stderr); sys.exit(1)"]
+    with pytest.raises(OutputError, match=r"cannot write the asset \(No space left on device\)") as err:
+        _run_worker(cmd, dict(os.environ), tmp_path / "b" / "x.aimodel", lambda m: None)
+    assert str(tmp_path / "b") in str(err.value)

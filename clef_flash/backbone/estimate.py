@@ -83,20 +83,47 @@ class LayerCalls:
         return hook
 
 
-GRADS_BYTES = 256 << 20  # the options' gradients on the device at once (a long record with many options: in groups)
+GRADS_BYTES = 256 << 20  # the options' gradients and their copies' activations at once (in groups past it)
+COPY_ROW_FLOATS = 16  # a copy's saved activations per token, in hidden widths (the MLP's and attention's, generously)
 
 
 def _grads_path(outputs: LayerOutputs, record: int, layer: int) -> Path:
     return outputs.path / f"grad-{layer}-{record}.npy"
 
 
-def _groups(options: int, tokens: int, hidden: int, heads: int) -> list[slice]:
-    """Options a batched backward carries at once: each holds its gradient ([T, H]) and, through an
-    eager full-attention layer, its own attention weights ([heads, T, T]: a 5,192-token record with
-    40 options at once took 7 minutes in page faults, measured; the linear-attention layers' chunk
-    loop, batched, as much)."""
-    step = max(1, GRADS_BYTES // max(1, 4 * tokens * (hidden + heads * tokens)))
+def _groups(options: int, tokens: int, hidden: int, row_floats: int = 1) -> list[slice]:
+    """Options carried back at once: each its gradient ([T, H]) and, through a layer, one copy of
+    the layer's activations (``row_floats`` hidden widths a token; no [heads, T, T]: the copies'
+    full attention runs as SDPA's causal kernel, ``_carry_back``)."""
+    step = max(1, GRADS_BYTES // max(1, 4 * tokens * hidden * row_floats))
     return [slice(a, min(a + step, options)) for a in range(0, options, step)]
+
+
+@contextmanager
+def _sdpa(config):
+    """The layer's full attention as SDPA for the block (the causal kernel keeps no [heads, T, T] a
+    copy); eager again after, where the plan's values are taken."""
+    kept = config._attn_implementation
+    config._attn_implementation = "sdpa"
+    try:
+        yield
+    finally:
+        config._attn_implementation = kept
+
+
+def _carry_back(layer, config, x, kwargs: dict, g):
+    """``g`` ([B, T, H], the options' gradients at the layer's output) carried to its input: one
+    forward of B copies of ``x`` and one backward (B vector-Jacobian products at once). The
+    gradients are the first-order estimate's, not its values: the copies' full attention is SDPA's
+    causal kernel on the unpadded record (the eager mask it replaces is the causal one)."""
+    import torch
+
+    xb = x.detach().expand(len(g), -1, -1).clone().requires_grad_(True)
+    kw = {k: (None if k == "attention_mask" else v) for k, v in kwargs.items()}
+    with _sdpa(config), torch.enable_grad():
+        yb = layer(xb, **kw)
+        yb = yb[0] if isinstance(yb, tuple) else yb
+        return torch.autograd.grad(yb, xb, g)[0]
 
 
 def forward_pass(ref, records: list[np.ndarray], outputs: LayerOutputs, calls: LayerCalls | None = None,
@@ -138,12 +165,12 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
     for n in compressed:
         by_layer.setdefault(layer_of(n), []).append(n)
     dev, dtype = ref.device, ref.dtype
-    heads = int(ref.model.config.num_attention_heads)
+    config = ref.model.config
     for r in range(len(records)):  # every option's probability, its gradient at the last layer's output
         h = torch.from_numpy(outputs.entering(layers, r)).to(device=dev, dtype=dtype).requires_grad_(True)
         with torch.enable_grad(), one_thread():
             p = options(r, ref.model.norm(h[None]))
-            groups = _groups(len(p), *h.shape, 0)  # the head: no [T, T] per option
+            groups = _groups(len(p), *h.shape)  # the head: the gradients alone
             out = np.lib.format.open_memmap(_grads_path(outputs, r, layers - 1), "w+", np.float32, (len(p),) + tuple(h.shape))
             eye = torch.eye(len(p), device=dev, dtype=dtype)
             for k, part in enumerate(groups):
@@ -160,21 +187,19 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
                 kwargs = calls.by_record[r][layer_types[i]]
                 entering = outputs.entering(i, r)
                 x = (ref.embed(ids) if entering is None else torch.from_numpy(entering).to(device=dev, dtype=dtype))[None]
-                x.requires_grad_(i > 0)
-                with torch.enable_grad():
+                with torch.no_grad():
                     y = layer(x, **kwargs)
                     y = y[0] if isinstance(y, tuple) else y
-                d = _own_error(estimates[i], layer, x.detach(), y.detach(), kwargs, squeezed, f"{LM}layers.{i}.") if names else None
+                d = _own_error(estimates[i], layer, x, y, kwargs, squeezed, f"{LM}layers.{i}.") if names else None
                 g_all = np.load(_grads_path(outputs, r, i), mmap_mode="r")
-                groups = _groups(len(g_all), *g_all.shape[1:], heads)
+                groups = _groups(len(g_all), *g_all.shape[1:], COPY_ROW_FLOATS + config.intermediate_size // config.hidden_size * 4)
                 back = np.lib.format.open_memmap(_grads_path(outputs, r, i - 1), "w+", np.float32, g_all.shape) if i > 0 else None
-                for k, part in enumerate(groups):
+                for part in groups:
                     g = torch.from_numpy(np.array(g_all[part])).to(device=dev, dtype=dtype)  # a copy: the file is read-only
                     if d is not None:
                         _effects(estimates[i], g, d)
                     if back is not None:  # the options' gradients carried back through the layer
-                        back[part] = torch.autograd.grad(y, x, g[:, None], is_grads_batched=True,
-                                                         retain_graph=k + 1 < len(groups))[0][:, 0].cpu().numpy()
+                        back[part] = _carry_back(layer, config, x, kwargs, g).cpu().numpy()
                 del g_all
                 _grads_path(outputs, r, i).unlink()
                 if back is not None:

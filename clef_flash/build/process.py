@@ -98,9 +98,10 @@ def _run_worker(cmd: list[str], env: dict[str, str], asset_dir: Path, log: Calla
         raise
     if proc.wait() != 0:
         last = other[-1] if other else "no message"
-        for cause in ("No space left on device", "Read-only file system"):
+        for cause, said in (("No space left on device", "No space left on device"), ("Read-only file system", "Read-only file system"),
+                            ("enough space", "No space left on device")):  # the converter's own words for a full disk
             if cause in last:
-                raise OutputError(f"{asset_dir.parent}: cannot write the asset ({cause})")
+                raise OutputError(f"{asset_dir.parent}: cannot write the asset ({said})")
         raise ToolchainError(f"export worker exited with status {proc.returncode}: {last}")
     return json.loads(out.strip().splitlines()[-1])
 

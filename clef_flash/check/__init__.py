@@ -225,7 +225,10 @@ class HostEncoder:
         if self._pre is None:
             self._pre = read_preprocessing(self.release, read_vision_config(self.release))
         width, height = open_image(req.images[0]).size
-        return target_grid(width, height, self._pre, **pixel_bounds(req.body.get("media_kwargs"))).tokens
+        try:
+            return target_grid(width, height, self._pre, **pixel_bounds(req.body.get("media_kwargs"))).tokens
+        except ValueError as exc:  # the processor's own limit (an aspect past 200): the request's input
+            raise UsageError(f"{req.images[0]}: {exc}") from None
 
     def encode(self, req):
         from ..host.encode import encode
@@ -238,6 +241,7 @@ def _refusals(requests, release: Path, log) -> dict[int, str]:
     image unreadable, its pixel bounds not numbers, its aspect past the processor's limit, a record
     that cannot hold the schema and the image): request line -> why, each listed, the rest checked."""
     from ..head.host import HostInputError
+    from ..host.encode import RecordTooLong
     from ..sources.image_processor import processor_files
 
     encoder, out = HostEncoder(release), {}
@@ -247,7 +251,7 @@ def _refusals(requests, release: Path, log) -> dict[int, str]:
             continue
         try:
             encoder.encode(req)
-        except (UsageError, HostInputError, ValueError) as exc:
+        except (UsageError, HostInputError, RecordTooLong) as exc:
             where = f"{req.images[0]}: " if req.images and str(req.images[0]) not in str(exc) else ""
             out[req.line] = f"{where}{exc}"
             log(f"request {req.id} (line {req.line}): {out[req.line]}: listed, not run")
@@ -367,9 +371,9 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     release, bundle = Path(cfg.release), Path(cfg.bundle)
     _check_options(cfg, release, bundle)
     requests = load_requests(cfg.requests or default_requests(), images=True)
-    refused = _refusals(requests, release, log)
     import_reference()
     side = _open_shipped(cfg, release, bundle)
+    refused = _refusals(requests, release, log)
     q_pad, o_pad = side.pads
     seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="clef-check-") as tmp:

@@ -30,6 +30,10 @@ IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 MAX_LENGTH = 16384  # the author's systemone default: the state is cut to fit it, nothing else is
 
 
+class RecordTooLong(ValueError):
+    """A request whose fixed part (prompt, image, schema) exceeds ``MAX_LENGTH``: no model answers it."""
+
+
 def render(value: Any) -> str:
     """A state, an instruction or an option as prompt text: a string as it is, anything else as
     compact JSON with sorted keys and unescaped unicode."""
@@ -58,8 +62,15 @@ class PromptTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
 
+        from ..errors import IntegrityError
+
         self.path = Path(path)
-        self._tok = Tokenizer.from_file(str(self.path))
+        if not self.path.is_file():
+            raise IntegrityError(f"{self.path}: missing (the release's tokenizer)")
+        try:
+            self._tok = Tokenizer.from_file(str(self.path))
+        except Exception as exc:  # the tokenizers library raises its own plain Exception
+            raise IntegrityError(f"{self.path}: not a tokenizer the tokenizers library reads ({str(exc)[:160]})") from None
 
     def pieces(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -131,7 +142,7 @@ def encode(tokenizer: PromptTokenizer, body: dict[str, Any], image_tokens: int |
     head = len(prefix) + len(image)
     fixed = head + len(schema) + len(suffix)
     if fixed > max_length:
-        raise ValueError(f"the schema needs {fixed} tokens before the state; at most {max_length} fit")
+        raise RecordTooLong(f"the schema needs {fixed} tokens before the state; at most {max_length} fit")
     kept = state[: max_length - fixed]
     at = head + len(kept)  # where the schema starts
     questions, p = [], 1  # piece 0 is the schema's title
