@@ -421,12 +421,8 @@ def test_image_rows_must_fit_the_context(tmp_path):
 # ---------------------------------------------------------------- end to end with images
 
 
-def test_release_and_check_release_with_image_requests(release, tmp_path, monkeypatch):
-    """`release` of the head, a backbone with image inputs and the vision tower (each gated), then the
-    project's image requests: file -> the host's patches (bit for bit the author's processor's) ->
-    the tower asset at the native grid -> the backbone asset's image inputs -> the head asset,
-    against the author's systemone with the same images; the image over the cap listed as not
-    fitting, the bounded one run; the red arm (the image's rows zeroed) fails."""
+def _release_with_images(source: Path, tmp_path: Path, monkeypatch):
+    """`release` of the head, a backbone with image inputs and the tower: (dist, bundle names)."""
     import sys
 
     from .conftest import TINY_RECIPE
@@ -436,10 +432,19 @@ def test_release_and_check_release_with_image_requests(release, tmp_path, monkey
                         'weights = "fp16"\ncompute = "fp32"\nimage_rows = 1024\n')
     monkeypatch.setenv("PATH", "/usr/bin:/bin:" + str(Path(sys.executable).parent))  # no xcrun: AOT skipped
     dist = tmp_path / "dist"
-    res = runner.invoke(app, ["release", str(TINY_RECIPE), str(backbone), str(RECIPE), "--source", str(release),
+    res = runner.invoke(app, ["release", str(TINY_RECIPE), str(backbone), str(RECIPE), "--source", str(source),
                               "--dist", str(dist), "--json"])
     assert res.exit_code == 0, res.output[-3000:]
-    head, bb, vis = json.loads(res.stdout)["bundles"]
+    return dist, json.loads(res.stdout)["bundles"]
+
+
+def test_release_and_check_release_with_image_requests(release, tmp_path, monkeypatch):
+    """`release` of the head, a backbone with image inputs and the vision tower (each gated), then the
+    project's image requests: file -> the host's patches (bit for bit the author's processor's) ->
+    the tower asset at the native grid -> the backbone asset's image inputs -> the head asset,
+    against the author's systemone with the same images; the image over the cap listed as not
+    fitting, the bounded one run; the red arm (the image's rows zeroed) fails."""
+    dist, (head, bb, vis) = _release_with_images(release, tmp_path, monkeypatch)
     requests = ROOT / "conversion" / "requests-images.jsonl"
     args = ["check-release", str(release), "--bundle", str(dist / head), "--backbone", str(dist / bb),
             "--vision", str(dist / vis), "--requests", str(requests)]
@@ -583,23 +588,11 @@ def test_a_make_tiny_release_goes_through_every_build_and_check_release_with_ima
     preprocessor_config.json (issue 48): pinned, head, decoder and vision builds (each gated), then
     check-release with the project's image requests, all passing; the vision manifest carries that
     file's settings, not a default's."""
-    import sys
-
-    from .conftest import TINY_RECIPE
-
     rel = make_tiny(0)
     assert (rel / "processor_config.json").is_file() and not (rel / "preprocessor_config.json").exists()
     pins = json.loads((rel / "pins.json").read_text())
     assert "processor_config.json" in pins["files"]
-    backbone = tmp_path / "backbone_img.toml"
-    backbone.write_text('model = "backbone"\nname = "{release}_decode_img_pf64"\nchunk = 64\ncontext = 2048\n'
-                        'weights = "fp16"\ncompute = "fp32"\nimage_rows = 1024\n')
-    monkeypatch.setenv("PATH", "/usr/bin:/bin:" + str(Path(sys.executable).parent))  # no xcrun: AOT skipped
-    dist = tmp_path / "dist"
-    res = runner.invoke(app, ["release", str(TINY_RECIPE), str(backbone), str(RECIPE), "--source", str(rel),
-                              "--dist", str(dist), "--json"])
-    assert res.exit_code == 0, res.output[-3000:]
-    head, bb, vis = json.loads(res.stdout)["bundles"]
+    dist, (head, bb, vis) = _release_with_images(rel, tmp_path, monkeypatch)
     settings = json.loads((rel / "processor_config.json").read_text())["image_processor"]
     pre = json.loads((dist / vis / "metadata.json").read_text())["preprocess"]
     assert pre["max_pixels"] == settings["size"]["longest_edge"] and pre["min_pixels"] == settings["size"]["shortest_edge"]
