@@ -409,6 +409,7 @@ def plan_weights_cmd(
     records: Annotated[Optional[int], typer.Option("--records", help="At most this many calibration records (default: the recipe's plan_records, else every request).")] = None,
     device: Annotated[str, typer.Option("--device", help="Where the plan's arithmetic runs: auto (CUDA, then Apple's MPS, then the CPU), cpu, cuda, mps. fp32 on each.")] = "auto",
     exhaustive: Annotated[bool, typer.Option("--exhaustive", help="Rank the layers by one end-to-end pass each (the oracle, layers squared) instead of the one-pass first-order estimate.")] = False,
+    estimate: Annotated[str, typer.Option("--estimate", help="How each record's per-layer changes are taken for the one-pass ranking: auto (the cheaper of carrying its options' gradients back and measuring each layer end to end, by its options and the layers), first-order (every record carried back).")] = "auto",
     overwrite: OverwriteOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -419,7 +420,7 @@ def plan_weights_cmd(
     def go():
         cfg = PlanConfig(release=release, recipe=load_recipe(recipe), recipe_path=recipe, pins_path=_pins(pins, release),
                          out=out, requests=requests, budget_dp=budget_dp, records=records, overwrite=overwrite,
-                         device=device, exhaustive=exhaustive)
+                         device=device, exhaustive=exhaustive, estimate=estimate)
         return plan_weights(cfg, log=_log)
 
     plan = _run(go)

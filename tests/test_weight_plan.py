@@ -41,17 +41,20 @@ def _one_thread_invoke(args):
 
 @pytest.fixture(scope="module")
 def plans(tmp_path_factory):
-    """``plans(release, budget, exhaustive=False) -> WeightPlan``, each run once."""
+    """``plans(release, budget, exhaustive=False, estimate="first-order") -> WeightPlan``, each run
+    once. The one-pass plans carry every record back unless asked otherwise: at 4 tiny layers the
+    default (``auto``) measures every record end to end, cheaper there, and the first-order
+    estimate is what these tests hold to the oracle."""
     from clef_flash.backbone.plan import load_plan
 
     done: dict = {}
 
-    def plan(release: Path, budget: float, exhaustive: bool = False):
-        key = (str(release), budget, exhaustive)
+    def plan(release: Path, budget: float, exhaustive: bool = False, estimate: str = "first-order"):
+        key = (str(release), budget, exhaustive, estimate)
         if key not in done:
             out = tmp_path_factory.mktemp("plan") / "plan.json"
             res = _one_thread_invoke(["plan-weights", str(release), "--recipe", str(RECIPE), "--out", str(out),
-                                      "--budget-dp", str(budget), "--records", RECORDS]
+                                      "--budget-dp", str(budget), "--records", RECORDS, "--estimate", estimate]
                                 + (["--exhaustive"] if exhaustive else []))
             assert res.exit_code == 0, res.output[-3000:]
             done[key] = load_plan(out)
@@ -80,6 +83,7 @@ def _agree(fast, oracle) -> None:
     # the fast plan measured fewer sets end to end than the oracle (which runs one a layer besides)
     assert len(fast.trials) <= len(oracle.trials)
     assert all(e.estimated_dp is not None and e.fisher is not None for e in fast.layers)
+    assert fast.measured_alone == []
 
 
 # (make-tiny seed, budget): each a budget the all-int8 release misses, so a set is chosen
@@ -144,7 +148,7 @@ def test_two_layers_within_budget_alone_over_it_together(make_tiny, plans, monke
     monkeypatch.setattr(estimate, "set_estimate", lambda e, squeezed: real(e, squeezed) / 2)
     out = make_tiny(0).parent / "kind.json"
     res = _one_thread_invoke(["plan-weights", str(make_tiny(0)), "--recipe", str(RECIPE), "--out", str(out),
-                              "--budget-dp", "1.5e-4", "--records", RECORDS, "--overwrite"])
+                              "--budget-dp", "1.5e-4", "--records", RECORDS, "--overwrite", "--estimate", "first-order"])
     assert res.exit_code == 0, res.output[-3000:]
     from clef_flash.backbone.plan import load_plan
 
@@ -155,6 +159,50 @@ def test_two_layers_within_budget_alone_over_it_together(make_tiny, plans, monke
     assert [len(s) for s in climb] == list(range(len(climb[0]), len(climb[0]) + len(climb)))
     assert not any(t.passes for t in kind.trials[:len(climb) - 1]) and kind.trials[len(climb) - 1].passes
     assert kind.chosen == oracle.chosen and kind.met
+
+
+def test_each_record_is_taken_the_cheaper_way():
+    """A record's per-layer changes are carried back (its options through the layers above the
+    first) or measured end to end (each compressed layer and those after it), whichever costs less:
+    at 4 layers a record of 3 options is measured, at 32 one of 11 is carried back and one of 12 is
+    not; one compressed layer, the last, is always cheaper measured."""
+    from clef_flash.backbone.estimate import CARRY_UNITS, measured_alone
+
+    assert CARRY_UNITS == 1.5
+    assert measured_alone([1, 2, 3, 6], 4, list(range(4))) == [2, 3]
+    assert measured_alone([1, 2, 11, 12], 32, list(range(32))) == [3]
+    assert measured_alone([1, 2], 32, [31]) == [0, 1]
+    assert measured_alone([], 32, list(range(32))) == []
+
+
+def test_records_measured_end_to_end_give_the_oracles_figures(make_tiny, plans, monkeypatch, tmp_path):
+    """Carrying made dear (10 forwards a copy), every record is measured end to end: each layer's
+    figure is the oracle's own measurement, bit for bit, no Fisher term (nothing carried back), the
+    same choice."""
+    from clef_flash.backbone import estimate
+    from clef_flash.backbone.plan import load_plan
+
+    monkeypatch.setattr(estimate, "CARRY_UNITS", 10)
+    out = tmp_path / "measured.json"
+    res = _one_thread_invoke(["plan-weights", str(make_tiny(0)), "--recipe", str(RECIPE), "--out", str(out),
+                              "--budget-dp", "2e-4", "--records", RECORDS])
+    assert res.exit_code == 0, res.output[-3000:]
+    auto, oracle = load_plan(out), plans(make_tiny(0), 2e-4, exhaustive=True)
+    assert auto.measured_alone == list(range(int(RECORDS))) and auto.ranked_by == "first-order"
+    alone = {e.layer: e.alone_max_abs_dp for e in oracle.layers}
+    assert {e.layer: e.estimated_dp for e in auto.layers} == alone
+    assert all(e.fisher is None for e in auto.layers)
+    assert auto.chosen == oracle.chosen and auto.met and auto.ranking == oracle.ranking
+
+
+def test_a_plan_of_records_taken_both_ways_chooses_the_oracles_set(make_tiny, plans):
+    """The default at 4 tiny layers: the record of 2 options is carried back, the rest measured end
+    to end; the two kinds of figures meet in one estimate, which chooses the oracle's set (make-tiny
+    seed 0 at 1.5e-4: three layers of four, a pair that misses together)."""
+    mixed, oracle = plans(make_tiny(0), 1.5e-4, estimate="auto"), plans(make_tiny(0), 1.5e-4, exhaustive=True)
+    assert mixed.measured_alone == list(range(1, int(RECORDS))), mixed.measured_alone
+    assert all(e.fisher is not None for e in mixed.layers)  # some records carried back
+    assert mixed.chosen == oracle.chosen == [0, 2, 3] and mixed.met
 
 
 def test_saturated_answers_do_not_mislead_the_ranking(make_tiny, plans, tmp_path_factory):
@@ -241,11 +289,42 @@ def test_a_layer_run_alone_in_the_reverse_sweep_is_its_run_in_the_pass(make_tiny
         assert not any(k in kw for by in calls.by_record.values() for kw in by.values() for k in ("cache", "use_cache"))
 
 
+@pytest.mark.parametrize("length,k_heads,v_heads,dim", [(5, 2, 4, 16), (130, 2, 4, 16), (200, 3, 3, 8), (64, 1, 2, 4)])
+def test_the_carry_backs_delta_rule_is_transformers_bit_for_bit(length, k_heads, v_heads, dim):
+    """The linear attention's scan the carry-back swaps in (its backward linear in the length) gives
+    transformers' values, last state and gradients to the bit, at lengths a chunk does not divide,
+    grouped heads among them; ``swapped`` puts it in a layer's module for the block alone."""
+    import torch
+    import transformers.models.qwen3_5.modeling_qwen3_5 as qwen
+
+    from clef_flash.backbone.delta_rule import chunk_gated_delta_rule, swapped
+
+    def run(fn):
+        g = torch.Generator().manual_seed(length)
+        q, k = (torch.randn(2, length, k_heads, dim, generator=g) for _ in range(2))
+        v = torch.randn(2, length, v_heads, dim + 2, generator=g)
+        decay, beta = -torch.rand(2, length, v_heads, generator=g), torch.rand(2, length, v_heads, generator=g)
+        ins = [t.requires_grad_(True) for t in (q, k, v, decay, beta)]
+        out, state = fn(*ins[:3], g=ins[3], beta=ins[4], output_final_state=True, use_qk_l2norm_in_kernel=True)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+        return out, state, torch.autograd.grad((out * weights).sum() + state.sum(), ins)
+
+    want, got = run(qwen.torch_chunk_gated_delta_rule), run(chunk_gated_delta_rule)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    assert all(torch.equal(a, b) for a, b in zip(want[2], got[2], strict=True))
+    layer = torch.nn.Module()
+    layer.linear_attn = qwen.Qwen3_5GatedDeltaNet.__new__(qwen.Qwen3_5GatedDeltaNet)
+    kept = qwen.torch_chunk_gated_delta_rule
+    with swapped(layer):
+        assert qwen.torch_chunk_gated_delta_rule is chunk_gated_delta_rule
+    assert qwen.torch_chunk_gated_delta_rule is kept
+
+
 def _plan_in_process(release: Path, out: Path, threads: int, cwd: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "PYTHONHASHSEED": str(threads)}
     exe = Path(sys.executable).parent / "clef-export"
     res = subprocess.run([str(exe), "plan-weights", str(release), "--recipe", str(RECIPE), "--out", str(out),
-                          "--budget-dp", "2e-4", "--records", "4", "--device", "cpu"], env=env, cwd=cwd, capture_output=True, text=True)
+                          "--budget-dp", "2e-4", "--records", "4", "--device", "cpu", "--estimate", "first-order"], env=env, cwd=cwd, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     data = json.loads(out.read_text())
     data.pop("seconds")
@@ -263,8 +342,9 @@ def test_the_plan_is_the_same_on_a_rerun_and_at_another_thread_count(make_tiny, 
     assert one["device"] == "cpu" and one["ranked_by"] == "first-order" and one["met"]
 
 
-def test_device_options_are_checked_before_any_work(make_tiny, tmp_path):
-    """A device this machine lacks is refused by name (exit 2), nothing written."""
+def test_device_and_estimate_options_are_checked_before_any_work(make_tiny, tmp_path):
+    """A device this machine lacks, or an estimate that is not one, is refused by name (exit 2),
+    nothing written."""
     import torch
 
     release = make_tiny(0)
@@ -277,6 +357,9 @@ def test_device_options_are_checked_before_any_work(make_tiny, tmp_path):
         assert not out.exists()
     res = runner.invoke(app, ["plan-weights", str(release), "--recipe", str(RECIPE), "--out", str(tmp_path / "x.json"), "--device", "tpu"])
     assert res.exit_code == 2 and "--device must be auto, cpu, cuda or mps" in res.output
+    res = runner.invoke(app, ["plan-weights", str(release), "--recipe", str(RECIPE), "--out", str(tmp_path / "x.json"), "--estimate", "guess"])
+    assert res.exit_code == 2 and "--estimate must be auto or first-order, got 'guess'" in res.output
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_weights_held_on_the_device_give_the_streamed_rows(make_tiny, monkeypatch):

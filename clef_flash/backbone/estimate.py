@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .contract import LM, layer_of
+from .delta_rule import swapped
 from .sensitivity import LayerOutputs, dequantized_release
 
 
@@ -33,7 +34,7 @@ class LayerEstimate:
     rel_max_abs_d: float = 0.0
     rel_rms_d: float = 0.0
     dp: list[float] = field(default_factory=list)
-    fisher: float = 0.0
+    fisher: float | None = None  # over the records carried back (None: every record measured end to end)
 
     @property
     def estimated_dp(self) -> float:
@@ -83,6 +84,22 @@ class LayerCalls:
         return hook
 
 
+# one copy's forward and backward through a layer, in forwards of that layer: 1.4 measured at the
+# 9B's width (the slice), where the time goes; 2 to 4 at tiny width (docs/performance.md)
+CARRY_UNITS = 1.5
+
+
+def measured_alone(options: list[int], layers: int, compressed: list[int]) -> list[int]:
+    """The records whose per-layer changes cost less measured end to end than carried back
+    (``options``: each record's option count). The sweep carries each option's gradient back
+    through every layer above the first (options x (layers - 1) copies of CARRY_UNITS); the
+    end-to-end passes run each compressed layer i and the layers after it (the sum of layers - i).
+    Both scale with the record's tokens, so the choice is the record's options against the
+    layers: at 4 layers a record of 3 options is cheaper end to end, at 32 one of 11 is not."""
+    end_to_end = sum(layers - i for i in compressed)
+    return [r for r, n in enumerate(options) if n * (layers - 1) * CARRY_UNITS > end_to_end]
+
+
 GRADS_BYTES = 256 << 20  # the options' gradients and their copies' activations at once (in groups past it)
 COPY_ROW_FLOATS = 16  # a copy's saved activations per token, in hidden widths (the MLP's and attention's, generously)
 
@@ -115,12 +132,13 @@ def _carry_back(layer, config, x, kwargs: dict, g):
     """``g`` ([B, T, H], the options' gradients at the layer's output) carried to its input: one
     forward of B copies of ``x`` and one backward (B vector-Jacobian products at once). The
     gradients are the first-order estimate's, not its values: the copies' full attention is SDPA's
-    causal kernel on the unpadded record (the eager mask it replaces is the causal one)."""
+    causal kernel on the unpadded record (the eager mask it replaces is the causal one), and the
+    linear attention's scan ``delta_rule``'s (the same bits, a backward linear in the length)."""
     import torch
 
     xb = x.detach().expand(len(g), -1, -1).clone().requires_grad_(True)
     kw = {k: (None if k == "attention_mask" else v) for k, v in kwargs.items()}
-    with _sdpa(config), torch.enable_grad():
+    with _sdpa(config), swapped(layer), torch.enable_grad():
         yb = layer(xb, **kw)
         yb = yb[0] if isinstance(yb, tuple) else yb
         return torch.autograd.grad(yb, xb, g)[0]
@@ -154,10 +172,13 @@ def forward_pass(ref, records: list[np.ndarray], outputs: LayerOutputs, calls: L
 
 
 def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compressed: list[str], scaled: bool,
-                  outputs: LayerOutputs, calls: LayerCalls, layer_types: list[str], back_tick=lambda: None) -> dict[int, LayerEstimate]:
+                  outputs: LayerOutputs, calls: LayerCalls, layer_types: list[str], back_tick=lambda: None,
+                  measured: dict[int, dict[int, np.ndarray]] | None = None) -> dict[int, LayerEstimate]:
     """Each compressed layer's estimate, after ``forward_pass`` kept every layer's output and what it
     was passed. ``options(r, rows)`` is the head on record ``r``'s final rows (``[1, T, H]``, with
-    grad) -> every option's probability (1-D). ``back_tick`` ticks per layer."""
+    grad) -> every option's probability (1-D). ``measured[r][i]``: record ``r``'s signed changes
+    with layer ``i`` alone compressed, measured end to end (``measured_alone``): taken as they are,
+    nothing carried back for ``r``. ``back_tick`` ticks per layer."""
     import torch
 
     layers = len(ref.model.layers)
@@ -166,15 +187,18 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
         by_layer.setdefault(layer_of(n), []).append(n)
     dev, dtype = ref.device, ref.dtype
     config = ref.model.config
+    measured = measured or {}
     for r in range(len(records)):  # every option's probability, its gradient at the last layer's output
+        if r in measured:
+            continue
         h = torch.from_numpy(outputs.entering(layers, r)).to(device=dev, dtype=dtype).requires_grad_(True)
         with torch.enable_grad(), one_thread():
             p = options(r, ref.model.norm(h[None]))
-            groups = _groups(len(p), *h.shape)  # the head: the gradients alone
             out = np.lib.format.open_memmap(_grads_path(outputs, r, layers - 1), "w+", np.float32, (len(p),) + tuple(h.shape))
-            eye = torch.eye(len(p), device=dev, dtype=dtype)
-            for k, part in enumerate(groups):
-                out[part] = torch.autograd.grad(p, h, eye[part], is_grads_batched=True, retain_graph=k + 1 < len(groups))[0].cpu().numpy()
+            for o in range(len(p)):
+                # one backward an option: batched (``is_grads_batched``), the head's slices of the rows
+                # fill a zero tensor of the copies' size each, 10x slower at 130 options (measured)
+                out[o] = torch.autograd.grad(p[o], h, retain_graph=o + 1 < len(p))[0].cpu().numpy()
             out.flush()
             del out
 
@@ -191,6 +215,11 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
                     y = layer(x, **kwargs)
                     y = y[0] if isinstance(y, tuple) else y
                 d = _own_error(estimates[i], layer, x, y, kwargs, squeezed, f"{LM}layers.{i}.") if names else None
+                if r in measured:
+                    if names:
+                        estimates[i].dp.extend(float(v) for v in measured[r][i])
+                    del y, x
+                    continue
                 g_all = np.load(_grads_path(outputs, r, i), mmap_mode="r")
                 groups = _groups(len(g_all), *g_all.shape[1:], COPY_ROW_FLOATS + config.intermediate_size // config.hidden_size * 4)
                 back = np.lib.format.open_memmap(_grads_path(outputs, r, i - 1), "w+", np.float32, g_all.shape) if i > 0 else None
@@ -242,4 +271,4 @@ def _effects(e: LayerEstimate, g, d) -> None:
         # summed by numpy in fp64 (pairwise, one thread): the same bits at any torch thread count
         gd = (g[o] * d).double().cpu().numpy()
         e.dp.append(float(np.sum(gd)))
-        e.fisher = max(e.fisher, float(np.sum(np.square(gd))))
+        e.fisher = max(e.fisher or 0.0, float(np.sum(np.square(gd))))

@@ -61,6 +61,9 @@ class WeightPlan(Strict):
     # (alone_max_abs_dp, one end-to-end pass a layer); plans before 0.2 were all exhaustive
     ranked_by: Literal["first-order", "exhaustive"] = "exhaustive"
     device: str = "cpu"  # where the plan's arithmetic ran (fp32, TF32 off)
+    # the records (by number) whose per-layer changes were measured end to end, not carried back:
+    # cheaper there at their option count (estimate.measured_alone; --estimate first-order: none)
+    measured_alone: list[Annotated[int, Field(ge=0)]] = []
     kendall_tau: float | None = None  # the first-order ranking against the exhaustive one (--exhaustive only)
     budget_dp: float = Field(gt=0, le=1)
     ranking: list[Layer]  # layers, most sensitive first (by the ranked_by figure, then rel_max_abs_d)

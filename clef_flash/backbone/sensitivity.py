@@ -95,18 +95,18 @@ class LayerOutputs:
 
 
 def rows_with(ref, records: list[np.ndarray], deq: Dequantizer, compressed_layers: set[int], tick=lambda: None,
-              outputs: LayerOutputs | None = None):
-    """Every record's hidden rows through ``ref`` (a ``reference.StreamedTextModel``) with
-    ``compressed_layers``' linears dequantized (fp32 eager); with the uncompressed pass's
-    ``outputs``, from the first compressed layer on (each layer alone: about half the layers run,
-    summed over the layers)."""
+              outputs: LayerOutputs | None = None, which: list[int] | None = None):
+    """Every record's hidden rows (those numbered ``which`` alone, when given) through ``ref`` (a
+    ``reference.StreamedTextModel``) with ``compressed_layers``' linears dequantized (fp32 eager);
+    with the uncompressed pass's ``outputs``, from the first compressed layer on (each layer alone:
+    about half the layers run, summed over the layers)."""
     deq.layers = set(compressed_layers)
     ref.weights, kept = deq, ref.weights
     try:
         first = min(compressed_layers, default=0) if outputs is not None else 0
         out = []
-        for r, ids in enumerate(records):
-            out.append(ref.rows(ids, start=(first, outputs.entering(first, r)) if first else None))
+        for r in range(len(records)) if which is None else which:
+            out.append(ref.rows(records[r], start=(first, outputs.entering(first, r)) if first else None))
             tick()
         return out
     finally:

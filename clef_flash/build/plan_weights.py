@@ -29,6 +29,7 @@ class PlanConfig:
     checked: dict[str, str] | None = None  # file -> sha256 the caller (a build's plan) just checked against the pins
     device: str = "auto"  # auto | cpu | cuda | mps: where the plan's arithmetic runs (fp32, TF32 off)
     exhaustive: bool = False  # rank by one end-to-end pass per layer (the oracle) instead of the one-pass estimate
+    estimate: str = "auto"  # auto: each record's per-layer changes the cheaper way (estimate.measured_alone); first-order: every record carried back
 
 
 class RowTable:
@@ -115,6 +116,8 @@ def _budget(cfg: PlanConfig) -> float:
         raise UsageError(f"--budget-dp must be in (0, 1], got {budget}")
     if cfg.records is not None and cfg.records < 1:
         raise UsageError("--records must be >= 1")
+    if cfg.estimate not in ("auto", "first-order"):
+        raise UsageError(f"--estimate must be auto or first-order, got {cfg.estimate!r}")
     _device_name(cfg.device)
     if not Path(cfg.release).is_dir():
         raise UsageError(f"{cfg.release}: release folder not found")
@@ -142,13 +145,14 @@ class Calibration:
         with one_thread():
             return self.head(rows, ids, torch.ones_like(ids), [self.encoded[r]], self.table)[0]
 
-    def probs(self, rows: list[np.ndarray]) -> list[np.ndarray]:
-        """Every option's probability, per record (the questions' in order, concatenated)."""
+    def probs(self, rows: list[np.ndarray], which: list[int] | None = None) -> list[np.ndarray]:
+        """Every option's probability, per record (the questions' in order, concatenated): ``rows``
+        are every record's, or those of the records numbered ``which``."""
         import torch
 
         out = []
         with torch.inference_mode():
-            for r, h in enumerate(rows):
+            for r, h in zip(range(len(rows)) if which is None else which, rows, strict=True):
                 logits = self.logits(r, torch.from_numpy(np.ascontiguousarray(h))[None].to(self.device))
                 out.append(np.concatenate([q.float().softmax(-1).cpu().numpy() for q in logits]))
         return out
@@ -293,10 +297,10 @@ class _Trials:
     """End-to-end measurements of sets of layers compressed, against the uncompressed pass: each
     set measured once (the walk down and the proof can meet one)."""
 
-    def __init__(self, ref, cal: Calibration, outputs, deq, base, budget: float, estimates, log) -> None:
+    def __init__(self, ref, cal: Calibration, outputs, deq, base, budget: float, with_codes: list[int], log) -> None:
         self.ref, self.cal, self.outputs, self.deq, self.base = ref, cal, outputs, deq, base
-        self.budget, self.estimates, self.log = budget, estimates, log
-        self.with_codes = sorted(estimates)
+        self.budget, self.with_codes, self.log = budget, with_codes, log
+        self.estimates: dict = {}  # the layers' estimates, once made (each trial's estimate beside its measurement)
         self.done: list = []  # the Trials recorded in the plan
 
     def dp_with(self, squeezed: set[int], tick=lambda: None) -> tuple[float, float]:
@@ -308,6 +312,18 @@ class _Trials:
         rows = rows_with(self.ref, self.cal.records, self.deq, squeezed, tick, self.outputs)
         dp = np.concatenate([np.abs(a - b) for a, b in zip(self.cal.probs(rows), self.base, strict=True)])
         return (float(dp.max()), float(dp.mean())) if dp.size else (0.0, 0.0)
+
+    def alone(self, layers: list[int], which: list[int], tick=lambda: None) -> dict[int, dict[int, np.ndarray]]:
+        """Records ``which``' signed change of every option with each of ``layers`` alone
+        compressed, end to end: record -> layer -> changes."""
+        from ..backbone.sensitivity import rows_with
+
+        out: dict[int, dict[int, np.ndarray]] = {r: {} for r in which}
+        for i in layers:
+            rows = rows_with(self.ref, self.cal.records, self.deq, {i}, tick, self.outputs, which=which)
+            for r, p in zip(which, self.cal.probs(rows, which), strict=True):
+                out[r][i] = p - self.base[r]
+        return out
 
     def __call__(self, kept: list[int], record: bool = True):
         from ..backbone.estimate import set_estimate
@@ -332,6 +348,7 @@ class _Search:
     """The ranking and what the trials found along it."""
 
     estimates: dict
+    measured_alone: list[int]  # the records measured end to end, not carried back
     fast: list[int]  # the one-pass estimate's ranking
     ranking: list[int]  # the ranking searched (the estimate's, or the oracle's with --exhaustive)
     alone: dict[int, float]
@@ -343,7 +360,8 @@ class _Search:
 
 
 def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
-    from ..backbone.estimate import LayerCalls, forward_pass, reverse_sweep, set_estimate
+    from ..backbone.contract import layer_of
+    from ..backbone.estimate import LayerCalls, forward_pass, measured_alone, reverse_sweep, set_estimate
     from ..backbone.reference import StreamedTextModel
     from ..backbone.sensitivity import Dequantizer, LayerOutputs
     from ..progress import progress
@@ -356,13 +374,22 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
         with progress("plan: the uncompressed pass", len(records), "records") as tick:
             base = cal.probs(forward_pass(ref, records, outputs, calls, tick))
         t_forward, t0 = time.perf_counter() - t0, time.perf_counter()
+        with_codes = sorted({layer_of(n) for n in inp.compressed})
+        deq = Dequantizer(Path(cfg.release), inp.infos, inp.scheme, inp.compressed, inp.scaled)
+        trial = _Trials(ref, cal, outputs, deq, base, budget, with_codes, log)
+        alone_records = [] if cfg.estimate == "first-order" else measured_alone([len(b) for b in base], layers, with_codes)
+        measured = {}
+        if alone_records:
+            log(f"plan: {plural(len(alone_records), 'record')} of {len(records)} measured end to end, layer by layer "
+                f"(cheaper there than carrying {'its' if len(alone_records) == 1 else 'their'} options back through {layers - 1} layers)")
+            with progress("plan: each layer alone compressed, the records measured end to end", len(with_codes) * len(alone_records), "records") as tick:
+                measured = trial.alone(with_codes, alone_records, tick)
+        t_measured, t0 = time.perf_counter() - t0, time.perf_counter()
         with progress("plan: each layer's own error and first-order effect, last to first", layers, "layers") as back:
             estimates = reverse_sweep(ref, records, cal.option_probs, inp.infos, inp.scheme, inp.compressed, inp.scaled,
-                                      outputs, calls, list(text.layer_types), back)
+                                      outputs, calls, list(text.layer_types), back, measured)
         t_reverse, t0 = time.perf_counter() - t0, time.perf_counter()
-        deq = Dequantizer(Path(cfg.release), inp.infos, inp.scheme, inp.compressed, inp.scaled)
-        trial = _Trials(ref, cal, outputs, deq, base, budget, estimates, log)
-        with_codes = trial.with_codes
+        trial.estimates = estimates
         fast = sorted(with_codes, key=lambda i: (-estimates[i].estimated_dp, -estimates[i].rel_max_abs_d, i))
         alone: dict[int, float] = {}
         if cfg.exhaustive:  # the oracle: each layer alone compressed, end to end
@@ -376,7 +403,8 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
         for i in ranking:
             e = estimates[i]
             log(f"layer {i} ({text.layer_types[i]}): " + (f"alone max |dp| {alone[i]:.3g}; " if i in alone else "")
-                + f"estimated max |dp| {e.estimated_dp:.3g} (Fisher {e.fisher:.3g}); its own output rel max |d| "
+                + f"estimated max |dp| {e.estimated_dp:.3g}" + (f" (Fisher {e.fisher:.3g})" if e.fisher is not None else "")
+                + "; its own output rel max |d| "
                 f"{e.rel_max_abs_d:.3g}, rel rms {e.rel_rms_d:.3g}")
         t0 = time.perf_counter()
         if cfg.exhaustive:
@@ -389,8 +417,9 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
         if k >= 1:  # the proof: without its most sensitive layer the chosen set must miss the budget
             proof = next((t for t in trial.done if t.fp16_layers == sorted(ranking[1:k])), None) or trial(ranking[1:k], record=False)
         t_trials = time.perf_counter() - t0
-    return _Search(estimates, fast, ranking, alone, trial.done, chosen, met, proof,
-                   {"forward": round(t_forward, 3), "reverse": round(t_reverse, 3), "alone": round(t_alone, 3),
+    return _Search(estimates, alone_records, fast, ranking, alone, trial.done, chosen, met, proof,
+                   {"forward": round(t_forward, 3), "measured": round(t_measured, 3), "reverse": round(t_reverse, 3),
+                    "alone": round(t_alone, 3),
                     "trials": round(t_trials, 3)})
 
 
@@ -422,7 +451,7 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
                      "tokens": int(sum(len(r) for r in records)), "head": "the release's JointSchemaHead, fp32",
                      "rows": "transformers' Qwen3.5 text model, fp32 eager, "
                              + ("the weights held on the device" if device.hold else "one layer in memory at a time")},
-        ranked_by=method, device=device.label,
+        ranked_by=method, device=device.label, measured_alone=found.measured_alone,
         kendall_tau=kendall_tau(found.fast, found.ranking) if cfg.exhaustive else None,
         budget_dp=budget, ranking=found.ranking,
         layers=[LayerSensitivity(layer=i, kind=text.layer_types[i], rel_max_abs_d=est[i].rel_max_abs_d,
