@@ -261,6 +261,25 @@ def test_a_set_estimate_adds_signed_changes_per_answer():
     assert set_estimate(e, set()) == 0.0
 
 
+def test_each_questions_last_option_is_minus_the_others():
+    """A question's probabilities sum to one: the sweep carries back all but its last option, whose
+    change and Fisher term are those of minus the others' ``g * d``; a question of one option does
+    not move. Every option in order."""
+    from clef_flash.backbone.estimate import Answers
+
+    rng = np.random.default_rng(0)
+    gd = rng.normal(size=(3, 4, 2))  # the carried options: question 0's first, question 1's first two
+    a = Answers([2, 3, 1])
+    for k in range(3):
+        a.add(k, gd[k])
+    changes = a.changes()
+    assert len(changes) == 6
+    assert changes[0] == float(np.sum(gd[0])) and changes[1] == float(np.sum(-gd[0]))
+    assert changes[2:4] == [float(np.sum(gd[1])), float(np.sum(gd[2]))]
+    assert changes[4] == float(np.sum(-(gd[1] + gd[2]))) and changes[5] == 0.0
+    assert a.fisher == max(float(np.sum(np.square(x))) for x in (gd[0], gd[1], gd[2], gd[1] + gd[2]))
+
+
 def test_a_layer_run_alone_in_the_reverse_sweep_is_its_run_in_the_pass(make_tiny):
     """The sweep runs each layer again on its kept input: without the model's cache (which its first
     run filled: a linear-attention layer would start from its own final state) the output is the

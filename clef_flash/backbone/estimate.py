@@ -176,7 +176,7 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
                   measured: dict[int, dict[int, np.ndarray]] | None = None) -> dict[int, LayerEstimate]:
     """Each compressed layer's estimate, after ``forward_pass`` kept every layer's output and what it
     was passed. ``options(r, rows)`` is the head on record ``r``'s final rows (``[1, T, H]``, with
-    grad) -> every option's probability (1-D). ``measured[r][i]``: record ``r``'s signed changes
+    grad) -> every option's probability, a 1-D tensor a question. ``measured[r][i]``: record ``r``'s signed changes
     with layer ``i`` alone compressed, measured end to end (``measured_alone``): taken as they are,
     nothing carried back for ``r``. ``back_tick`` ticks per layer."""
     import torch
@@ -188,17 +188,20 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
     dev, dtype = ref.device, ref.dtype
     config = ref.model.config
     measured = measured or {}
-    for r in range(len(records)):  # every option's probability, its gradient at the last layer's output
+    sizes: dict[int, list[int]] = {}  # record -> its questions' option counts
+    for r in range(len(records)):  # every carried option's gradient at the last layer's output
         if r in measured:
             continue
         h = torch.from_numpy(outputs.entering(layers, r)).to(device=dev, dtype=dtype).requires_grad_(True)
         with torch.enable_grad(), one_thread():
-            p = options(r, ref.model.norm(h[None]))
-            out = np.lib.format.open_memmap(_grads_path(outputs, r, layers - 1), "w+", np.float32, (len(p),) + tuple(h.shape))
-            for o in range(len(p)):
+            questions = options(r, ref.model.norm(h[None]))
+            sizes[r] = [len(q) for q in questions]
+            carried = [q[o] for q in questions for o in range(len(q) - 1)]  # each question's last: ``Answers``
+            out = np.lib.format.open_memmap(_grads_path(outputs, r, layers - 1), "w+", np.float32, (len(carried),) + tuple(h.shape))
+            for o, p in enumerate(carried):
                 # one backward an option: batched (``is_grads_batched``), the head's slices of the rows
                 # fill a zero tensor of the copies' size each, 10x slower at 130 options (measured)
-                out[o] = torch.autograd.grad(p[o], h, retain_graph=o + 1 < len(p))[0].cpu().numpy()
+                out[o] = torch.autograd.grad(p, h, retain_graph=o + 1 < len(carried))[0].cpu().numpy()
             out.flush()
             del out
 
@@ -223,12 +226,18 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
                 g_all = np.load(_grads_path(outputs, r, i), mmap_mode="r")
                 groups = _groups(len(g_all), *g_all.shape[1:], COPY_ROW_FLOATS + config.intermediate_size // config.hidden_size * 4)
                 back = np.lib.format.open_memmap(_grads_path(outputs, r, i - 1), "w+", np.float32, g_all.shape) if i > 0 else None
+                answers = Answers(sizes[r])
                 for part in groups:
                     g = torch.from_numpy(np.array(g_all[part])).to(device=dev, dtype=dtype)  # a copy: the file is read-only
                     if d is not None:
-                        _effects(estimates[i], g, d)
+                        for o in range(len(g)):
+                            # summed by numpy in fp64 (pairwise, one thread): the same bits at any torch thread count
+                            answers.add(part.start + o, (g[o] * d).double().cpu().numpy())
                     if back is not None:  # the options' gradients carried back through the layer
                         back[part] = _carry_back(layer, config, x, kwargs, g).cpu().numpy()
+                if d is not None:
+                    estimates[i].dp.extend(answers.changes())
+                    estimates[i].fisher = max(estimates[i].fisher or 0.0, answers.fisher)
                 del g_all
                 _grads_path(outputs, r, i).unlink()
                 if back is not None:
@@ -264,11 +273,36 @@ def _own_error(e: LayerEstimate, layer, x, want, kwargs, squeezed: dict[str, np.
     return d
 
 
-def _effects(e: LayerEstimate, g, d) -> None:
-    """Against the options' gradients ``g`` ([options, T, H]): each option's first-order change
-    ``<g, d>`` and the Fisher term."""
-    for o in range(len(g)):
-        # summed by numpy in fp64 (pairwise, one thread): the same bits at any torch thread count
-        gd = (g[o] * d).double().cpu().numpy()
-        e.dp.append(float(np.sum(gd)))
-        e.fisher = max(e.fisher or 0.0, float(np.sum(np.square(gd))))
+class Answers:
+    """One record's first-order changes at a layer, every option in order, from the gradients of all
+    but each question's last option: a question's probabilities sum to one, so the last one's
+    gradient is minus the others' sum, and so is its ``g * d`` (one option fewer carried back a
+    question: 5 of 16 at the slice's 4 requests). ``fisher``: the worst option's
+    ``sum((g * d)**2)``."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.owner = [q for q, n in enumerate(sizes) for _ in range(n - 1)]  # carried option -> its question
+        self.dp: list[float] = []
+        self.sums: dict[int, np.ndarray] = {}
+        self.fisher = 0.0
+
+    def add(self, k: int, gd: np.ndarray) -> None:
+        """Carried option ``k``'s ``g * d`` ([T, H], fp64), in order."""
+        self.dp.append(float(np.sum(gd)))
+        self.fisher = max(self.fisher, float(np.sum(np.square(gd))))
+        q = self.owner[k]
+        self.sums[q] = gd.copy() if q not in self.sums else self.sums[q] + gd
+
+    def changes(self) -> list[float]:
+        """Every option's change, in order (a question of one option: 0, its probability is 1)."""
+        out, k = [], 0
+        for q, n in enumerate(self.sizes):
+            out.extend(self.dp[k:k + n - 1])
+            k += n - 1
+            if n:
+                last = -self.sums[q] if q in self.sums else None
+                out.append(float(np.sum(last)) if last is not None else 0.0)
+                if last is not None:
+                    self.fisher = max(self.fisher, float(np.sum(np.square(last))))
+        return out

@@ -157,12 +157,10 @@ class Calibration:
                 out.append(np.concatenate([q.float().softmax(-1).cpu().numpy() for q in logits]))
         return out
 
-    def option_probs(self, r: int, rows):
-        """Record ``r``'s every option's probability (the questions' in order, one 1-D tensor) from
-        its final rows, with grad: what the budget's max |dp| is taken over."""
-        import torch
-
-        return torch.cat([q.float().softmax(-1) for q in self.logits(r, rows)])
+    def question_probs(self, r: int, rows) -> list:
+        """Record ``r``'s every option's probability, a 1-D tensor a question (in order), from its
+        final rows, with grad: what the budget's max |dp| is taken over."""
+        return [q.float().softmax(-1) for q in self.logits(r, rows)]
 
 
 def _calibration(cfg: PlanConfig, source: Path, pins, requests, text, device: str) -> Calibration:
@@ -386,7 +384,7 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
                 measured = trial.alone(with_codes, alone_records, tick)
         t_measured, t0 = time.perf_counter() - t0, time.perf_counter()
         with progress("plan: each layer's own error and first-order effect, last to first", layers, "layers") as back:
-            estimates = reverse_sweep(ref, records, cal.option_probs, inp.infos, inp.scheme, inp.compressed, inp.scaled,
+            estimates = reverse_sweep(ref, records, cal.question_probs, inp.infos, inp.scheme, inp.compressed, inp.scaled,
                                       outputs, calls, list(text.layer_types), back, measured)
         t_reverse, t0 = time.perf_counter() - t0, time.perf_counter()
         trial.estimates = estimates
