@@ -56,14 +56,14 @@ def _plan(release: Path, work: Path, tag: str, *extra: str) -> dict:
 def _projection(row: dict, slice_layers: int) -> float:
     """The 9B's plan from the slice's, each part by how it grows with the layers n -> L: the forward
     and each trial with L / n; the sweep's carrying with the layers above the first, (L - 1) / (n - 1)
-    (its own-error runs grow less: generous); the records measured end to end, and the oracle's
-    passes, with each compressed layer and those after it, L(L + 1) / n(n + 1). At 32 layers the
-    default carries back the records of at most 5 options that it measures at 4, so the default's
+    (its own-error runs grow less: generous); the records measured end to end (the oracle's: every
+    record), with each compressed layer and those after it, L(L + 1) / n(n + 1). At 32 layers the
+    default carries back the records of at most 11 options that it measures at 4, so the default's
     9B is at most the smaller of the two projections."""
     s = row["seconds"]
     n, big = slice_layers, LAYERS_9B
     squared = big * (big + 1) / (n * (n + 1))
-    grow = {"forward": big / n, "reverse": (big - 1) / (n - 1), "measured": squared, "alone": squared, "trials": big / n}
+    grow = {"forward": big / n, "reverse": (big - 1) / (n - 1), "measured": squared, "trials": big / n}
     startup = s["total"] - sum(s.get(k, 0.0) for k in grow)
     return round(startup + sum(s.get(k, 0.0) * g for k, g in grow.items()), 0)
 

@@ -298,11 +298,14 @@ class Answers:
         """Every option's change, in order (a question of one option: 0, its probability is 1)."""
         out, k = [], 0
         for q, n in enumerate(self.sizes):
+            if not n:
+                continue
             out.extend(self.dp[k:k + n - 1])
             k += n - 1
-            if n:
-                last = -self.sums[q] if q in self.sums else None
-                out.append(float(np.sum(last)) if last is not None else 0.0)
-                if last is not None:
-                    self.fisher = max(self.fisher, float(np.sum(np.square(last))))
+            others = self.sums.get(q)
+            if others is None:
+                out.append(0.0)
+                continue
+            out.append(float(np.sum(-others)))
+            self.fisher = max(self.fisher, float(np.sum(np.square(others))))
         return out

@@ -301,26 +301,26 @@ class _Trials:
         self.estimates: dict = {}  # the layers' estimates, once made (each trial's estimate beside its measurement)
         self.done: list = []  # the Trials recorded in the plan
 
-    def dp_with(self, squeezed: set[int], tick=lambda: None) -> tuple[float, float]:
-        """max and mean |dp| over every option of every record with ``squeezed`` compressed."""
+    def changes(self, squeezed: set[int], which: list[int], tick=lambda: None) -> list[np.ndarray]:
+        """Records ``which``' signed change of every option with ``squeezed`` compressed, end to end."""
         from ..backbone.sensitivity import rows_with
 
+        rows = rows_with(self.ref, self.cal.records, self.deq, squeezed, tick, self.outputs, which=which)
+        return [p - self.base[r] for r, p in zip(which, self.cal.probs(rows, which), strict=True)]
+
+    def dp_with(self, squeezed: set[int], tick=lambda: None) -> tuple[float, float]:
+        """max and mean |dp| over every option of every record with ``squeezed`` compressed."""
         if not squeezed:
             return 0.0, 0.0
-        rows = rows_with(self.ref, self.cal.records, self.deq, squeezed, tick, self.outputs)
-        dp = np.concatenate([np.abs(a - b) for a, b in zip(self.cal.probs(rows), self.base, strict=True)])
+        dp = np.abs(np.concatenate(self.changes(squeezed, list(range(len(self.base))), tick)))
         return (float(dp.max()), float(dp.mean())) if dp.size else (0.0, 0.0)
 
     def alone(self, layers: list[int], which: list[int], tick=lambda: None) -> dict[int, dict[int, np.ndarray]]:
-        """Records ``which``' signed change of every option with each of ``layers`` alone
-        compressed, end to end: record -> layer -> changes."""
-        from ..backbone.sensitivity import rows_with
-
+        """Records ``which``' changes with each of ``layers`` alone compressed: record -> layer -> changes."""
         out: dict[int, dict[int, np.ndarray]] = {r: {} for r in which}
         for i in layers:
-            rows = rows_with(self.ref, self.cal.records, self.deq, {i}, tick, self.outputs, which=which)
-            for r, p in zip(which, self.cal.probs(rows, which), strict=True):
-                out[r][i] = p - self.base[r]
+            for r, c in zip(which, self.changes({i}, which, tick), strict=True):
+                out[r][i] = c
         return out
 
     def __call__(self, kept: list[int], record: bool = True):
@@ -376,28 +376,28 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
         deq = Dequantizer(Path(cfg.release), inp.infos, inp.scheme, inp.compressed, inp.scaled)
         trial = _Trials(ref, cal, outputs, deq, base, budget, with_codes, log)
         alone_records = [] if cfg.estimate == "first-order" else measured_alone([len(b) for b in base], layers, with_codes)
-        measured = {}
         if alone_records:
             log(f"plan: {plural(len(alone_records), 'record')} of {len(records)} measured end to end, layer by layer "
                 f"(cheaper there than carrying {'its' if len(alone_records) == 1 else 'their'} options back through {layers - 1} layers)")
-            with progress("plan: each layer alone compressed, the records measured end to end", len(with_codes) * len(alone_records), "records") as tick:
-                measured = trial.alone(with_codes, alone_records, tick)
+        # the oracle (--exhaustive) measures every record so; the sweep takes the ones it needs from it
+        to_measure = list(range(len(records))) if cfg.exhaustive else alone_records
+        measured: dict[int, dict[int, np.ndarray]] = {}
+        if to_measure:
+            with progress("plan: each layer alone compressed, end to end", len(with_codes) * len(to_measure), "records") as tick:
+                measured = trial.alone(with_codes, to_measure, tick)
         t_measured, t0 = time.perf_counter() - t0, time.perf_counter()
         with progress("plan: each layer's own error and first-order effect, last to first", layers, "layers") as back:
             estimates = reverse_sweep(ref, records, cal.question_probs, inp.infos, inp.scheme, inp.compressed, inp.scaled,
-                                      outputs, calls, list(text.layer_types), back, measured)
+                                      outputs, calls, list(text.layer_types), back, {r: measured[r] for r in alone_records})
         t_reverse, t0 = time.perf_counter() - t0, time.perf_counter()
         trial.estimates = estimates
         fast = sorted(with_codes, key=lambda i: (-estimates[i].estimated_dp, -estimates[i].rel_max_abs_d, i))
         alone: dict[int, float] = {}
-        if cfg.exhaustive:  # the oracle: each layer alone compressed, end to end
-            with progress("plan: each layer alone compressed, end to end", len(with_codes) * len(records), "records") as tick:
-                for i in with_codes:
-                    alone[i] = trial.dp_with({i}, tick)[0]
+        if cfg.exhaustive:  # the oracle: each layer alone compressed, its worst change over every record
+            alone = {i: float(np.abs(np.concatenate([measured[r][i] for r in to_measure])).max(initial=0.0)) for i in with_codes}
             ranking = sorted(with_codes, key=lambda i: (-alone[i], -estimates[i].rel_max_abs_d, i))
         else:
             ranking = fast
-        t_alone = time.perf_counter() - t0
         for i in ranking:
             e = estimates[i]
             log(f"layer {i} ({text.layer_types[i]}): " + (f"alone max |dp| {alone[i]:.3g}; " if i in alone else "")
@@ -417,7 +417,6 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
         t_trials = time.perf_counter() - t0
     return _Search(estimates, alone_records, fast, ranking, alone, trial.done, chosen, met, proof,
                    {"forward": round(t_forward, 3), "measured": round(t_measured, 3), "reverse": round(t_reverse, 3),
-                    "alone": round(t_alone, 3),
                     "trials": round(t_trials, 3)})
 
 
