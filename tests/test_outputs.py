@@ -75,6 +75,77 @@ def test_read_only_output_refused_before_work(tmp_path, tiny_source):
         assert "tracing" not in r.stderr  # refused before the expensive work
 
 
+def _fill_when(folder: Path, pattern: str, stop) -> list[str]:
+    """Another process's file takes all but 8 KiB of ``folder``'s disk once ``pattern`` appears under it."""
+    import glob
+    import time
+
+    while not stop.is_set():
+        hits = glob.glob(str(folder / "**" / pattern), recursive=True, include_hidden=True)
+        if hits:
+            free = shutil.disk_usage(folder).free
+            subprocess.run(["fallocate", "-l", str(free - 8192), str(folder / "another-writer")], check=True)
+            return hits
+        time.sleep(0.01)
+    return []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+def test_a_disk_that_fills_during_the_gate_is_a_full_disk_and_nothing_lands(tmp_path, author_code):
+    """A tmpfs that another writer fills while the int8 gate's runtime compiles the asset: the
+    runtime writes its compiled copy through a memory map, and on a full tmpfs that write is a
+    SIGBUS. It killed the build (exit -7, no message, the staged folder and the lock left); the
+    compile now runs in a child, so the build says the disk is full, naming the bundle, exit 1,
+    and nothing lands. Issue 48 item 6."""
+    import threading
+
+    from clef_flash.sources.pinning import pin_local
+    from clef_flash.synth.release import MAKE_TINY_HEAD, write_release
+
+    rel = write_release(tmp_path / "tiny_release", config_name=MAKE_TINY_HEAD, seed=0, author_code=author_code,
+                        backbone="qwen3_5", variant="tiny")
+    pin_local(rel, name="tiny_release")
+    recipe = tmp_path / "int8.toml"
+    recipe.write_text('model = "backbone"\nname = "{release}_decode_int8_fp32_pf16"\nchunk = 16\ncontext = 128\n'
+                      'weights = "int8"\ncompute = "fp32"\n')
+    with mounted(tmp_path / "small", "-t", "tmpfs", "-o", "size=200m", "tmpfs") as small:
+        stop, hits = threading.Event(), []
+        filler = threading.Thread(target=lambda: hits.extend(_fill_when(small, ".clef-tmp-*", stop)))
+        filler.start()
+        try:
+            r = subprocess.run([str(EXE), "build", str(recipe), "--source", str(rel), "--out", str(small)],
+                               capture_output=True, text=True, timeout=600)
+        finally:
+            stop.set()
+            filler.join()
+        assert hits and all(".tmp-" in h for h in hits), hits  # filled while the gate's compile folder was there
+        assert r.returncode == 1, (r.returncode, r.stderr[-1500:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: {small / 'tiny_release_decode_int8_fp32_pf16'}: cannot write the runtime's "
+                               "compiled copy (No space left on device"), last
+        assert "gate:" in r.stderr  # the export and the gate's reference ran first
+        assert sorted(os.listdir(small)) == ["another-writer"]  # no bundle, no staged folder, no lock
+
+
+def test_a_child_killed_by_a_mapped_write_on_a_full_disk_is_a_full_disk(tmp_path):
+    """An export worker (or a runtime compile) that dies of SIGBUS: a full disk where it writes is
+    the output's error naming the folder (exit 1); with room there, it is the toolchain's (exit 5),
+    not called a full disk. Issue 48 item 6."""
+    from clef_flash.build.process import _run_worker
+    from clef_flash.errors import OutputError, ToolchainError
+
+    cmd = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGBUS)"]
+    with pytest.raises(ToolchainError, match=r"export worker died of SIGBUS, [\d,]+ bytes free at "):
+        _run_worker(cmd, dict(os.environ), tmp_path / "b" / "x.aimodel", lambda m: None)
+    if os.geteuid() != 0:
+        pytest.skip("mounting needs root")
+    with mounted(tmp_path / "full", "-t", "tmpfs", "-o", "size=1m", "tmpfs") as full:
+        subprocess.run(["fallocate", "-l", str(shutil.disk_usage(full).free), str(full / "another-writer")], check=True)
+        with pytest.raises(OutputError, match=r"cannot write the asset \(No space left on device: 0 bytes free") as err:
+            _run_worker(cmd, dict(os.environ), full / "x.aimodel", lambda m: None)
+        assert str(err.value).startswith(f"{full}: ")
+
+
 def table(source: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(EXE), "lm-head-table", "--source", str(source), "--pins", str(source / "pins.json"),
                            "--out", str(out), *extra], capture_output=True, text=True, timeout=600)

@@ -20,15 +20,14 @@ _NP = {"fp16": np.float16, "fp32": np.float32}
 async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dtype: str, scratch: Path | None = None):
     """``(call, new_states)``: ``call(inputs, states) -> hidden [S, H]`` fp32. The runtime's compiled
     copy goes to a folder of this process's own under ``scratch`` (default: the temp folder)."""
-    from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
+    from ..formats.runtime_compile import executable
     from ..quiet import native_stderr
-    from ..tmpdirs import owned_tempdir
 
     # the runtime's own lines off the terminal unless --verbose; its compiled copy in a folder no kill strands
-    with native_stderr(), owned_tempdir(scratch):
-        async with AIModelAsset.load(Path(asset)).executable() as model:
+    with native_stderr():
+        async with executable(Path(asset), scratch) as model:
             fn = model.load_function(FUNCTION)
             if fn is None:
                 raise IntegrityError(f"{asset}: function {FUNCTION} not found")
@@ -44,13 +43,10 @@ async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dt
 
 
 async def _describe(asset: Path) -> dict[str, Any]:
-    from coreai.authoring.asset import AIModelAsset
+    from ..formats.runtime_compile import executable
 
-    from ..tmpdirs import owned_tempdir
-
-    with owned_tempdir():
-        async with AIModelAsset.load(Path(asset)).executable() as model:
-            return _descriptor(model)
+    async with executable(Path(asset)) as model:
+        return _descriptor(model)
 
 
 def _descriptor(model) -> dict[str, Any]:

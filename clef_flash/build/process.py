@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from ..formats.runtime_compile import failure
 from ..errors import ClefError, IntegrityError, NumericError, OutputError, ToolchainError, UsageError
 from ..progress import PLAIN_MARK as PROGRESS_MARK
 
@@ -96,13 +97,8 @@ def _run_worker(cmd: list[str], env: dict[str, str], asset_dir: Path, log: Calla
         proc.kill()
         proc.wait()
         raise
-    if proc.wait() != 0:
-        last = other[-1] if other else "no message"
-        for cause, said in (("No space left on device", "No space left on device"), ("Read-only file system", "Read-only file system"),
-                            ("enough space", "No space left on device")):  # the converter's own words for a full disk
-            if cause in last:
-                raise OutputError(f"{asset_dir.parent}: cannot write the asset ({said})")
-        raise ToolchainError(f"export worker exited with status {proc.returncode}: {last}")
+    if proc.wait() != 0:  # a full disk (its words, or a mapped write's SIGBUS) is the output's error
+        raise failure(proc.returncode, "\n".join(other), asset_dir.parent, "the asset", "export worker")
     return json.loads(out.strip().splitlines()[-1])
 
 

@@ -194,16 +194,15 @@ async def runner(asset: Path, names: list[str]):
     import asyncio
 
     import numpy as np
-    from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
+    from .runtime_compile import executable
     from ..quiet import native_stderr
-    from ..tmpdirs import owned_tempdir
 
     slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
     # the runtime's own lines off the terminal unless --verbose; its compiled copy in a folder no kill strands
-    with native_stderr(), owned_tempdir():
-        async with AIModelAsset.load(asset).executable() as model:
+    with native_stderr():
+        async with executable(asset) as model:
             fns = {}
             for name in names:
                 fn = model.load_function(name)
@@ -220,22 +219,19 @@ async def runner(asset: Path, names: list[str]):
 
 
 async def _describe(asset: Path) -> list[dict[str, Any]]:
-    from coreai.authoring.asset import AIModelAsset
-
-    from ..tmpdirs import owned_tempdir
+    from .runtime_compile import executable
 
     out = []
-    with owned_tempdir():
-        async with AIModelAsset.load(asset).executable() as model:
-            for name in model.function_names:
-                d = model.load_function(name).desc
-                out.append({
-                    "name": name,
-                    "inputs": [{"name": n, "shape": list(d.input_descriptor(n).shape), "dtype": str(d.input_descriptor(n).dtype)}
-                               for n in d.input_names],
-                    "outputs": [{"name": n, "shape": list(d.output_descriptor(n).shape),
-                                 "dtype": str(d.output_descriptor(n).dtype)} for n in d.output_names],
-                })
+    async with executable(asset) as model:
+        for name in model.function_names:
+            d = model.load_function(name).desc
+            out.append({
+                "name": name,
+                "inputs": [{"name": n, "shape": list(d.input_descriptor(n).shape), "dtype": str(d.input_descriptor(n).dtype)}
+                           for n in d.input_names],
+                "outputs": [{"name": n, "shape": list(d.output_descriptor(n).shape),
+                             "dtype": str(d.output_descriptor(n).dtype)} for n in d.output_names],
+            })
     return out
 
 

@@ -19,14 +19,13 @@ async def runner(asset: Path, cfg: VisionConfig, scratch: Path | None = None):
     """``(call, functions)``: ``await call(patches, grid, bucket) -> (rows [N, out_hidden] fp32, TowerCall)``;
     ``functions`` the asset's. The runtime's compiled copy goes to a folder of this process's own
     under ``scratch`` (default: the temp folder)."""
-    from coreai.authoring.asset import AIModelAsset
     from coreai.runtime import NDArray
 
+    from ..formats.runtime_compile import executable
     from ..quiet import native_stderr
-    from ..tmpdirs import owned_tempdir
 
-    with native_stderr(), owned_tempdir(scratch):
-        async with AIModelAsset.load(Path(asset)).executable() as model:
+    with native_stderr():
+        async with executable(Path(asset), scratch) as model:
             async def call(patches: np.ndarray, grid, bucket: int) -> tuple[np.ndarray, TowerCall]:
                 refuse_if_interrupted()  # Ctrl-C: no tower call starts after it (interrupts.run_async)
                 c = tower_inputs(patches, grid, cfg, bucket)
