@@ -3,12 +3,12 @@ the uncompressed reference (``plan-weights``' ranking: O(layers), not one end-to
 
 Forward: every record through the streamed reference, each layer's output kept on disk
 (``sensitivity.LayerOutputs``). Then the head: every option's probability (what the budget's
-max |dp| is taken over) and its gradient at the last layer's output. Reverse, one layer in memory
-at a time: the layer run again on its kept input, with grad, and once more with its linears
-compressed; the difference ``d`` is its own error, ``<g, d>`` the first-order change of each
-option's probability, ``sum((g * d)**2)`` the diagonal Fisher term (ModelOpt's AutoQuantize
-score) reported beside it; then every ``g`` carried back through the layer, in one batched
-backward.
+max |dp| is taken over) and its gradient at the last layer's output. Reverse, one layer's weights
+in memory at a time: the layer with its linears compressed, run on its kept input; its difference
+``d`` from the kept output is its own error, ``<g, d>`` the first-order change of each option's
+probability, ``sum((g * d)**2)`` the diagonal Fisher term (ModelOpt's AutoQuantize score)
+reported beside it; then the layer uncompressed, every ``g`` carried back through it in batched
+backwards.
 
 How it works: docs/modules.md."""
 
@@ -22,7 +22,7 @@ import numpy as np
 
 from .contract import LM, layer_of
 from .delta_rule import swapped
-from .sensitivity import LayerOutputs, dequantized_release
+from .sensitivity import Dequantizer, LayerOutputs
 
 
 @dataclass
@@ -206,66 +206,83 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
             del out
 
     estimates = {i: LayerEstimate() for i in range(layers) if i in by_layer}
+    carried = [r for r in range(len(records)) if r not in measured]
+    deq = Dequantizer(ref.source, infos, scheme, compressed, scaled)
+
+    def entering(i: int, r: int):
+        kept = outputs.entering(i, r)
+        return (ref.embed(records[r]) if kept is None else torch.from_numpy(kept).to(device=dev, dtype=dtype))[None]
+
     for i in reversed(range(layers)):
-        names = by_layer.get(i, [])
-        squeezed = {n: dequantized_release(ref.source, infos[n], scheme, scaled) for n in names}
-        with ref.layer_loaded(i) as layer:
-            for r, ids in enumerate(records):
-                kwargs = calls.by_record[r][layer_types[i]]
-                entering = outputs.entering(i, r)
-                x = (ref.embed(ids) if entering is None else torch.from_numpy(entering).to(device=dev, dtype=dtype))[None]
-                with torch.no_grad():
-                    y = layer(x, **kwargs)
-                    y = y[0] if isinstance(y, tuple) else y
-                d = _own_error(estimates[i], layer, x, y, kwargs, squeezed, f"{LM}layers.{i}.") if names else None
-                if r in measured:
-                    if names:
-                        estimates[i].dp.extend(float(v) for v in measured[r][i])
-                    del y, x
-                    continue
-                g_all = np.load(_grads_path(outputs, r, i), mmap_mode="r")
-                groups = _groups(len(g_all), *g_all.shape[1:], COPY_ROW_FLOATS + config.intermediate_size // config.hidden_size * 4)
-                back = np.lib.format.open_memmap(_grads_path(outputs, r, i - 1), "w+", np.float32, g_all.shape) if i > 0 else None
-                answers = Answers(sizes[r])
-                for part in groups:
-                    g = torch.from_numpy(np.array(g_all[part])).to(device=dev, dtype=dtype)  # a copy: the file is read-only
-                    if d is not None:
-                        for o in range(len(g)):
-                            # summed by numpy in fp64 (pairwise, one thread): the same bits at any torch thread count
-                            answers.add(part.start + o, (g[o] * d).double().cpu().numpy())
-                    if back is not None:  # the options' gradients carried back through the layer
-                        back[part] = _carry_back(layer, config, x, kwargs, g).cpu().numpy()
-                if d is not None:
-                    estimates[i].dp.extend(answers.changes())
-                    estimates[i].fisher = max(estimates[i].fisher or 0.0, answers.fisher)
-                del g_all
-                _grads_path(outputs, r, i).unlink()
-                if back is not None:
-                    back.flush()
-                    del back
-                del y, x
+        kwargs_of = {r: calls.by_record[r][layer_types[i]] for r in range(len(records))}
+        changes: dict[int, list[float]] = {r: [float(v) for v in measured[r][i]] for r in measured} if i in by_layer else {}
+        if i in by_layer:  # compressed: its own output first, so that its two forms are never held at once
+            deq.layers = {i}
+            with ref.layer_loaded(i, deq) as squeezed:
+                for r in range(len(records)):
+                    # the pass's own output of the layer is what the layer gives run alone (bit for bit: tested)
+                    want = torch.from_numpy(outputs.entering(i + 1, r)).to(device=dev, dtype=dtype)[None]
+                    d = _own_error(estimates[i], squeezed, entering(i, r), want, kwargs_of[r])
+                    if r in carried:
+                        np.save(_diff_path(outputs, r, i), d.cpu().numpy())
+        if carried and (i in by_layer or i > 0):
+            with ref.layer_loaded(i) as layer:
+                for r in carried:
+                    changes[r] = _carried(layer, config, entering(i, r), kwargs_of[r], outputs, r, i, sizes[r], estimates.get(i))
+        if i in by_layer:
+            for r in range(len(records)):  # in record order, as the oracle's figures are
+                estimates[i].dp.extend(changes[r])
         back_tick()
     return estimates
 
 
-def _own_error(e: LayerEstimate, layer, x, want, kwargs, squeezed: dict[str, np.ndarray], prefix: str):
-    """The layer run on the same input with its linears compressed: its own error (kept in ``e``)
-    and the difference ``d`` ([T, H]) the options' gradients meet."""
+def _diff_path(outputs: LayerOutputs, record: int, layer: int) -> Path:
+    return outputs.path / f"diff-{layer}-{record}.npy"
+
+
+def _carried(layer, config, x, kwargs: dict, outputs: LayerOutputs, r: int, i: int, sizes: list[int],
+             estimate: "LayerEstimate | None") -> list[float]:
+    """Record ``r`` at layer ``i`` (loaded uncompressed, ``x`` its input): each option's first-order
+    change from its gradient at the layer's output and the layer's own error (when it is
+    compressed: ``estimate``), then the gradients carried back to the layer's input (none at 0)."""
     import torch
 
-    kept = {}
-    for full, value in squeezed.items():
-        owner, _, attr = full[len(prefix):].rpartition(".")
-        target = layer.get_submodule(owner)
-        kept[(owner, attr)] = target._parameters[attr]
-        target._parameters[attr] = torch.nn.Parameter(torch.from_numpy(value).to(device=x.device, dtype=x.dtype), requires_grad=False)
-    try:
-        with torch.no_grad():
-            got = layer(x, **kwargs)
-            got = got[0] if isinstance(got, tuple) else got
-    finally:
-        for (owner, attr), p in kept.items():
-            layer.get_submodule(owner)._parameters[attr] = p
+    dev, dtype = x.device, x.dtype
+    d = torch.from_numpy(np.load(_diff_path(outputs, r, i))).to(device=dev, dtype=dtype) if estimate is not None else None
+    g_all = np.load(_grads_path(outputs, r, i), mmap_mode="r")
+    groups = _groups(len(g_all), *g_all.shape[1:], COPY_ROW_FLOATS + config.intermediate_size // config.hidden_size * 4)
+    back = np.lib.format.open_memmap(_grads_path(outputs, r, i - 1), "w+", np.float32, g_all.shape) if i > 0 else None
+    answers = Answers(sizes)
+    for part in groups:
+        g = torch.from_numpy(np.array(g_all[part])).to(device=dev, dtype=dtype)  # a copy: the file is read-only
+        if d is not None:
+            for o in range(len(g)):
+                # summed by numpy in fp64 (pairwise, one thread): the same bits at any torch thread count
+                answers.add(part.start + o, (g[o] * d).double().cpu().numpy())
+        if back is not None:  # the options' gradients carried back through the layer
+            back[part] = _carry_back(layer, config, x, kwargs, g).cpu().numpy()
+    del g_all
+    _grads_path(outputs, r, i).unlink()
+    if back is not None:
+        back.flush()
+        del back
+    if d is None:
+        return []
+    _diff_path(outputs, r, i).unlink()
+    changes = answers.changes()
+    estimate.fisher = max(estimate.fisher or 0.0, answers.fisher)
+    return changes
+
+
+def _own_error(e: LayerEstimate, squeezed, x, want, kwargs):
+    """The layer run on the pass's input with its linears compressed (``squeezed``): its own error
+    against the pass's output ``want`` (kept in ``e``) and the difference ``d`` ([T, H]) the
+    options' gradients meet."""
+    import torch
+
+    with torch.no_grad():
+        got = squeezed(x, **kwargs)
+        got = got[0] if isinstance(got, tuple) else got
     d = (got - want)[0]
     top = max(float(want.abs().max()), 1e-30)
     e.rel_max_abs_d = max(e.rel_max_abs_d, float(d.abs().max()) / top)
