@@ -401,3 +401,81 @@ def test_weights_held_on_the_device_give_the_streamed_rows(make_tiny, monkeypatc
     monkeypatch.setattr(reference, "_read", real)
     want = [streamed.rows(ids) for ids in records]
     assert all(np.array_equal(a, b) and np.array_equal(a, c) for a, b, c in zip(rows, rows2, want, strict=True))
+
+
+def test_weights_held_in_16_bits_are_the_same_fp32_arithmetic(make_tiny):
+    """The plan holds the linears' weights as the release stores them (bf16) and a compressed
+    layer's as fp16 values and a power of two (``held_weights``), widened where a linear uses
+    them: the rows, with and without compressed layers, and the gradients carried back through a
+    layer are the fp32 reference's bit for bit, with the weights held in 16 bits."""
+    import torch
+
+    from clef_flash.backbone.contract import compressed_names, read_text_config, weight_names
+    from clef_flash.backbone.estimate import LayerCalls, _carry_back, forward_pass
+    from clef_flash.backbone.reference import StreamedTextModel
+    from clef_flash.backbone.sensitivity import Dequantizer, LayerOutputs, rows_with
+    from clef_flash.engine.quantize import Scheme
+    from clef_flash.engine.streamed_weights import locate
+
+    release = make_tiny(0)
+    text = read_text_config(release)
+    scheme = Scheme(8, 32)
+    names = compressed_names(weight_names(text), scheme)
+    records = [np.random.default_rng(3).integers(0, 500, n) for n in (37, 70)]
+    wide, narrow = StreamedTextModel(release), StreamedTextModel(release, narrow=True)
+    for scaled in (False, True):  # True: the dequantized values times 2**-k (k > 0 at tiny size)
+        deq = Dequantizer(release, locate(release, weight_names(text)), scheme, names, scaled)
+        for layers in (set(), {1}, {0, 3}):
+            a, b = rows_with(wide, records, deq, layers), rows_with(narrow, records, deq, layers)
+            assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True)), (scaled, layers)
+    held = {}
+    with narrow.layer_loaded(2) as layer:
+        held = {n: p.dtype for n, p in layer.named_parameters() if n.endswith("proj.weight")}
+    assert held and set(held.values()) == {torch.bfloat16}, held  # held in 16 bits, not widened
+    types = list(text.layer_types)
+    with LayerOutputs() as outputs:
+        calls = LayerCalls(wide, types)
+        forward_pass(wide, records[:1], outputs, calls)
+        x = torch.from_numpy(outputs.entering(2, 0))[None]
+        g = torch.randn((3,) + tuple(x.shape[1:]), generator=torch.Generator().manual_seed(0))
+        got = []
+        for ref in (wide, narrow):
+            with ref.layer_loaded(2) as layer:
+                got.append(_carry_back(layer, wide.model.config, x, calls.by_record[0][types[2]], g))
+    assert torch.equal(got[0], got[1])
+
+
+def test_a_weight_is_held_narrow_only_where_that_is_exact():
+    """``hold_narrow`` keeps a linear's weight in 16 bits only where every value survives the round
+    trip; a MultiheadAttention's out_proj (read by the attention itself) stays fp32; the outputs
+    and input gradients are the fp32 module's bit for bit, and a shifted weight is widened times
+    ``2**-shift`` (a forgotten shift is caught)."""
+    import torch
+
+    from clef_flash.backbone.held_weights import hold_narrow, widen
+
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.randn(32, 16, generator=gen).to(torch.bfloat16).float())  # bf16 values
+        model[1].weight.copy_(torch.randn(8, 32, generator=gen))  # fp32 values: not exact in 16 bits
+    attn = torch.nn.MultiheadAttention(16, 2)
+    with torch.no_grad():
+        attn.out_proj.weight.copy_(attn.out_proj.weight.to(torch.bfloat16).float())
+    import copy
+
+    want_model, want_attn = copy.deepcopy(model), copy.deepcopy(attn)
+    assert hold_narrow(model) == 32 * 16 * 2 and hold_narrow(attn) == 0
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    assert attn.out_proj.weight.dtype == torch.float32
+    x = torch.randn(5, 16, generator=gen)
+    outs = []
+    for m in (want_model, model):
+        xi = x.clone().requires_grad_(True)
+        y = m(xi)
+        outs.append((y, torch.autograd.grad(y, xi, torch.ones_like(y))[0]))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    q = torch.randn(3, 1, 16, generator=gen)
+    assert torch.equal(attn(q, q, q)[0], want_attn(q, q, q)[0])
+    h = torch.randn(4, 4, generator=gen).to(torch.float16)
+    assert torch.equal(widen(h, 3), h.float() / 8) and not torch.equal(widen(h, 3), widen(h))

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from .contract import LM
-from ..engine.streamed_weights import TensorInfo, as_f32, locate
+from ..errors import IntegrityError
+from ..engine.streamed_weights import TensorInfo, as_f32, locate, trim_freed_memory
 
 
 def _read(folder: Path, t: TensorInfo, dtype, device="cpu"):
@@ -21,18 +22,37 @@ def _read(folder: Path, t: TensorInfo, dtype, device="cpu"):
     with open(folder / t.file, "rb") as fh:
         fh.seek(t.offset)
         raw = np.frombuffer(fh.read(t.nbytes), dtype=np.uint8)
-    return torch.from_numpy(as_f32(raw, t.dtype).reshape(t.shape).copy()).to(device=device, dtype=dtype)
+    # widened in place: as_f32's own temporaries and a copy were 3 fp32 tensors beside the bytes
+    # (the largest 9B matrix: 600 MB at once, on top of the layer read so far)
+    wide = np.empty(t.shape, np.float32)
+    as_f32(raw, t.dtype, wide.reshape(-1))
+    return torch.from_numpy(wide).to(device=device, dtype=dtype)
+
+
+def _read_stored(folder: Path, t: TensorInfo, device="cpu"):
+    """The tensor in its stored 16 bits (bf16 / fp16), as a torch tensor."""
+    import torch
+
+    raw = bytearray(t.nbytes)
+    with open(folder / t.file, "rb") as fh:
+        fh.seek(t.offset)
+        if fh.readinto(raw) != t.nbytes:
+            raise IntegrityError(f"{folder / t.file}: ends inside {t.name}")
+    dtype = torch.bfloat16 if t.dtype == "BF16" else torch.float16
+    return torch.frombuffer(raw, dtype=dtype).reshape(t.shape).to(device=device)
 
 
 class StreamedTextModel:
     """``rows(ids) -> hidden [T, H]`` fp32: transformers' text model, one layer in memory at a time."""
 
-    def __init__(self, source: Path, dtype=None, weights=None, device="cpu", hold: bool = False) -> None:
+    def __init__(self, source: Path, dtype=None, weights=None, device="cpu", hold: bool = False, narrow: bool = False) -> None:
         """``dtype``: torch.float32 (the gate's) or torch.float64 (how far fp32 itself is from exact).
-        ``weights``: name -> fp32 array or None, for tensors read from elsewhere than the release (a
-        compressed asset's own dequantized weights: ``asset_readback.dequantized``), one layer at a time.
-        ``device``: where the arithmetic runs (the plan's ``--device``); ``hold``: the release's
-        weights stay there once read (a device the whole model fits on), else streamed."""
+        ``weights``: name -> fp32 array, ``held_weights.Held`` or None, for tensors read from elsewhere
+        than the release (a compressed asset's own dequantized weights: ``asset_readback.dequantized``),
+        one layer at a time. ``device``: where the arithmetic runs (the plan's ``--device``); ``hold``:
+        the release's weights stay there once read (a device the whole model fits on), else streamed.
+        ``narrow`` (fp32 only): the linears' weights held in 16 bits as stored and widened on use
+        (``held_weights``: the same fp32 arithmetic, half the memory)."""
         import torch
 
         from ..sources.reference import import_reference
@@ -48,6 +68,7 @@ class StreamedTextModel:
         self.weights = weights
         self.device = torch.device(device)
         self.hold = hold
+        self.narrow = narrow and self.dtype == torch.float32
         self._held: dict[str, object] = {}  # hold: name -> the release's tensor on the device
         self._manual: set[int] = set()  # layers loaded by ``layer_loaded``: the hooks leave them be
         with warnings.catch_warnings():
@@ -58,6 +79,10 @@ class StreamedTextModel:
             model.rotary_emb = Qwen3_5TextRotaryEmbedding(config=config)  # its tables computed on the CPU
             model.rotary_emb.to(device=self.device, dtype=self.dtype)
         self.model = model.eval()
+        if self.narrow:
+            from .held_weights import widen_on_use
+
+            widen_on_use(model.layers)
         wanted = {f"{LM}{n}": tuple(p.shape) for n, p in model.named_parameters()}
         self.infos = locate(self.source, wanted)
         self._load(model.norm, "norm.")
@@ -84,20 +109,33 @@ class StreamedTextModel:
     def _load(self, module, prefix: str, weights=None) -> None:
         import torch
 
+        from .held_weights import Held, widen
+
         weights = weights if weights is not None else self.weights
         for name, p in list(module.named_parameters()):
             owner, _, attr = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
             full = f"{LM}{prefix}{name}"
+            narrow = self.narrow and attr == "weight" and isinstance(target, torch.nn.Linear)
             other = weights(full) if weights is not None else None
-            if other is not None:
+            shift = 0
+            if isinstance(other, Held):
+                if narrow:
+                    value, shift = other.values.to(device=self.device), other.shift
+                else:
+                    value = widen(other.values, other.shift).to(device=self.device, dtype=self.dtype)
+            elif other is not None:
                 value = torch.from_numpy(other).to(device=self.device, dtype=self.dtype)
             elif full in self._held:
                 value = self._held[full]
             else:
-                value = _read(self.source, self.infos[full], self.dtype, self.device)
+                stored = narrow and self.infos[full].dtype in ("BF16", "F16")
+                value = _read_stored(self.source, self.infos[full], self.device) if stored else \
+                    _read(self.source, self.infos[full], self.dtype, self.device)
                 if self.hold:
                     self._held[full] = value
+            if narrow:
+                target.held_shift = shift
             target._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
 
     @contextmanager
@@ -120,6 +158,8 @@ class StreamedTextModel:
             owner, _, attr = name.rpartition(".")
             target = module.get_submodule(owner) if owner else module
             target._parameters[attr] = torch.nn.Parameter(torch.empty(p.shape, device="meta"), requires_grad=False)
+        if self.narrow:  # the layer's weights back to the kernel, not kept under the next layer's
+            trim_freed_memory(collect=False)
 
     def embed(self, ids: np.ndarray):
         import torch

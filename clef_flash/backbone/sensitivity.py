@@ -10,12 +10,22 @@ from pathlib import Path
 import numpy as np
 
 from .contract import layer_of
+from .held_weights import Held
 from ..engine.streamed_weights import TensorInfo, raw_blocks, scale_exponent
 
 
 def dequantized_release(folder: Path, t: TensorInfo, scheme, scaled: bool) -> np.ndarray:
     """The release tensor as the compressed asset computes with it (fp32): codes and scales of the
-    values times ``2**k`` (fp32 compute; ``k`` by the build's rule), dequantized, times ``2**-k``.
+    values times ``2**k`` (fp32 compute; ``k`` by the build's rule), dequantized, times ``2**-k``."""
+    from .held_weights import widen
+
+    h = dequantized_held(folder, t, scheme, scaled)
+    return widen(h.values, h.shift).numpy()
+
+
+def dequantized_held(folder: Path, t: TensorInfo, scheme, scaled: bool) -> Held:
+    """``dequantized_release`` as it is held: the dequantized fp16 values and ``k`` (the fp32
+    tensor is their widening times ``2**-k``, exactly).
 
     The build's quantizer (``quantize.scales_torch`` / ``codes_torch``, held equal to the gate's
     numpy rule by tests) over row tiles in the CPU's cache, written into the result tile by tile:
@@ -32,34 +42,34 @@ def dequantized_release(folder: Path, t: TensorInfo, scheme, scaled: bool) -> np
         src = torch.empty((rows, cols), dtype=block.dtype) if src is None else src
         src[r0:r1] = block
     if src is None:  # no rows
-        return np.zeros(t.shape, np.float32)
+        return Held(torch.zeros(t.shape, dtype=torch.float16))
     k = scale_exponent(max(abs(float(src.min())), abs(float(src.max())))) if scaled else 0
-    out = torch.empty((rows, cols), dtype=torch.float32)
+    out = torch.empty((rows, cols), dtype=torch.float16)
     step = max(1, TILE_VALUES // cols)
     work = torch.empty(step * cols, dtype=torch.float32)
+    w = torch.empty(step * cols, dtype=torch.float32)
     for a in range(0, rows, step):
-        w = out[a:a + step]
-        w.copy_(src[a:a + step])  # exact: bf16 / fp16 widened
+        tile = w[: min(step, rows - a) * cols].view(-1, cols)
+        tile.copy_(src[a:a + step])  # exact: bf16 / fp16 widened
         if k:
-            w.mul_(2.0 ** k)  # a power of two: exact, as the build's scaling
-        scales = scales_torch(w, scheme, work)
-        w.copy_(dequantize_torch(codes_torch(w, scales, scheme, work), scales, scheme))
-        if k:
-            w.mul_(2.0 ** -k)
-    return out.numpy()
+            tile.mul_(2.0 ** k)  # a power of two: exact, as the build's scaling
+        scales = scales_torch(tile, scheme, work)
+        out[a:a + step] = dequantize_torch(codes_torch(tile, scales, scheme, work), scales, scheme)
+    return Held(out, k)
 
 
 class Dequantizer:
-    """name -> the dequantized release tensor, for the names of ``layers`` (None elsewhere)."""
+    """name -> the dequantized release tensor as it is held (``Held``), for the names of ``layers``
+    (None elsewhere)."""
 
     def __init__(self, folder: Path, infos: dict[str, TensorInfo], scheme, compressed: list[str], scaled: bool) -> None:
         self.folder, self.infos, self.scheme, self.scaled = Path(folder), infos, scheme, scaled
         self.compressed = set(compressed)
         self.layers: set[int] = set()
 
-    def __call__(self, name: str):
+    def __call__(self, name: str) -> Held | None:
         if name in self.compressed and layer_of(name) in self.layers:
-            return dequantized_release(self.folder, self.infos[name], self.scheme, self.scaled)
+            return dequantized_held(self.folder, self.infos[name], self.scheme, self.scaled)
         return None
 
 

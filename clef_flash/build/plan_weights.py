@@ -166,6 +166,7 @@ class Calibration:
 def _calibration(cfg: PlanConfig, source: Path, pins, requests, text, device: str) -> Calibration:
     import torch
 
+    from ..backbone.held_weights import hold_narrow
     from ..engine.streamed_weights import locate
     from ..sources.author import load_head
     from ..sources.reference import TextProcessor, import_reference
@@ -188,7 +189,9 @@ def _calibration(cfg: PlanConfig, source: Path, pins, requests, text, device: st
     lm = locate(source, {"lm_head.weight": (text.vocab_size, text.hidden_size)}).get("lm_head.weight")
     for p in head.parameters():
         p.requires_grad_(False)
-    return Calibration(encoded, records, head.to(device), RowTable(source, lm, device), device)
+    head = head.to(device)
+    hold_narrow(head)  # its linears' weights in the release's 16 bits, widened on use: the same fp32 arithmetic
+    return Calibration(encoded, records, head, RowTable(source, lm, device), device)
 
 
 def _smallest_k(ranking: list[int], trial, trials: list) -> int:
@@ -365,7 +368,7 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
     from ..progress import progress
 
     text, cal, records, layers = inp.text, inp.cal, inp.cal.records, len(inp.text.layer_types)
-    ref = StreamedTextModel(Path(cfg.release), device=inp.device.torch_device, hold=inp.device.hold)
+    ref = StreamedTextModel(Path(cfg.release), device=inp.device.torch_device, hold=inp.device.hold, narrow=True)
     with LayerOutputs() as outputs:
         t0 = time.perf_counter()
         calls = LayerCalls(ref, list(text.layer_types))

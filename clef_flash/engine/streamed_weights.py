@@ -59,13 +59,15 @@ def _will_need(path: Path, offset: int, length: int) -> None:
         os.close(fd)
 
 
-def trim_freed_memory() -> None:
+def trim_freed_memory(collect: bool = True) -> None:
     """glibc keeps freed heap memory for reuse; hand it back to the kernel between stages, so the
-    peak of one stage does not sit under the peak of the next (``malloc_trim``; a no-op elsewhere)."""
+    peak of one stage does not sit under the peak of the next (``malloc_trim``; a no-op elsewhere).
+    ``collect``: Python's cycles collected first (not where it runs a layer at a time)."""
     import ctypes
     import gc
 
-    gc.collect()
+    if collect:
+        gc.collect()
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
