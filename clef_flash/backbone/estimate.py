@@ -197,7 +197,7 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
             questions = options(r, ref.model.norm(h[None]))
             sizes[r] = [len(q) for q in questions]
             carried = [q[o] for q in questions for o in range(len(q) - 1)]  # each question's last: ``Answers``
-            out = np.lib.format.open_memmap(_grads_path(outputs, r, layers - 1), "w+", np.float32, (len(carried),) + tuple(h.shape))
+            out = outputs.mapped(_grads_path(outputs, r, layers - 1).name, (len(carried),) + tuple(h.shape))
             for o, p in enumerate(carried):
                 # one backward an option: batched (``is_grads_batched``), the head's slices of the rows
                 # fill a zero tensor of the copies' size each, 10x slower at 130 options (measured)
@@ -224,7 +224,7 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
                     want = torch.from_numpy(outputs.entering(i + 1, r)).to(device=dev, dtype=dtype)[None]
                     d = _own_error(estimates[i], squeezed, entering(i, r), want, kwargs_of[r])
                     if r in carried:
-                        np.save(_diff_path(outputs, r, i), d.cpu().numpy())
+                        outputs.save(_diff_path(outputs, r, i).name, d.cpu().numpy())
         if carried and (i in by_layer or i > 0):
             with ref.layer_loaded(i) as layer:
                 for r in carried:
@@ -251,7 +251,7 @@ def _carried(layer, config, x, kwargs: dict, outputs: LayerOutputs, r: int, i: i
     d = torch.from_numpy(np.load(_diff_path(outputs, r, i))).to(device=dev, dtype=dtype) if estimate is not None else None
     g_all = np.load(_grads_path(outputs, r, i), mmap_mode="r")
     groups = _groups(len(g_all), *g_all.shape[1:], COPY_ROW_FLOATS + config.intermediate_size // config.hidden_size * 4)
-    back = np.lib.format.open_memmap(_grads_path(outputs, r, i - 1), "w+", np.float32, g_all.shape) if i > 0 else None
+    back = outputs.mapped(_grads_path(outputs, r, i - 1).name, g_all.shape) if i > 0 else None
     answers = Answers(sizes)
     for part in groups:
         g = torch.from_numpy(np.array(g_all[part])).to(device=dev, dtype=dtype)  # a copy: the file is read-only

@@ -86,7 +86,39 @@ class LayerOutputs:
         self.path = owned_folder(parent, "layer-outputs")
 
     def put(self, layer: int, record: int, value: np.ndarray) -> None:
-        np.save(self.path / f"{layer}-{record}.npy", np.ascontiguousarray(value, dtype=np.float32))
+        self.save(f"{layer}-{record}.npy", value)
+
+    def save(self, name: str, value: np.ndarray) -> None:
+        """``value`` as fp32 in ``name`` of the folder; a full disk an ``OutputError`` naming the folder."""
+        try:
+            np.save(self.path / name, np.ascontiguousarray(value, dtype=np.float32))
+        except OSError as exc:
+            raise self._full(exc) from None
+
+    def mapped(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A new fp32 ``.npy`` file ``name`` of the folder, mapped for writing, its blocks reserved
+        first: on a full disk a write through a map is a SIGBUS, which no handler can turn into an
+        error (plan-weights died of it, exit -7, its folder left); a reservation that finds no room
+        is an ``OutputError`` naming the folder, before anything is written."""
+        import os
+
+        path = self.path / name
+        try:
+            out = np.lib.format.open_memmap(path, "w+", np.float32, shape)  # a sparse file: nothing written yet
+            if hasattr(os, "posix_fallocate"):  # not on macOS, where the map's pages are taken as written
+                fd = os.open(path, os.O_RDWR)
+                try:
+                    os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            raise self._full(exc) from None
+        return out
+
+    def _full(self, exc: OSError):
+        from ..errors import OutputError
+
+        return OutputError(f"{self.path.parent}: cannot write plan-weights' layer outputs ({exc.strerror or exc})")
 
     def entering(self, layer: int, record: int) -> np.ndarray | None:
         """The hidden states entering ``layer`` for ``record`` (None for layer 0: the embedding)."""
