@@ -1,27 +1,30 @@
-"""Linear weights held in 16 bits and widened to fp32 where a linear uses them (``plan-weights``).
+"""Linear weights not held in fp32 where ``plan-weights`` runs a linear: fp32 arithmetic all the same.
 
 A release's weights are bf16 or fp16, and a compressed layer's dequantized weights are fp16 values
-times a power of two (``quantize.dequantize_torch``): both are exact in fp32. The planner held
-them widened, 4 bytes a value: a 9B layer is 0.87 GB, the head 0.49 GB, and a compressed layer
-and its uncompressed form were held at once. Held as they are (2 bytes) and widened one matrix
-at a time, the arithmetic is the same fp32 bit for bit: the forward is ``F.linear`` on the widened
-matrix, and the backward (the options' gradients carried back) widens it again instead of
-keeping the fp32 copy autograd would save.
+times a power of two (``quantize.dequantize_torch``): both are exact in fp32. The planner held a
+layer widened (0.87 GB at the 9B's width) and the head too (0.49 GB). Now a streamed decoder
+layer's linear weight is not held at all (``OnUse``): it is read where the linear is called (the
+release's 16 bits widened as they are read, or a compressed layer's dequantization), used and
+dropped, and read again by the backward; a layer takes one fp32 matrix at a time (201 MB at the
+9B's widest), the reads from the page cache. The head's linears are held in 16 bits where that is
+exact (``hold_narrow``) and widened at each call. Either way the forward is ``F.linear`` on the
+fp32 matrix and the backward (the options' gradients carried back) widens or reads it again
+instead of keeping the fp32 copy autograd would save: the same arithmetic, bit for bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
-class Held:
-    """A weight held in 16 bits: fp32 = ``values`` widened, times ``2**-shift``."""
+class OnUse:
+    """A weight read at each use: ``read()`` gives the fp32 matrix (a new torch tensor), dropped
+    when the call that read it returns."""
 
-    values: Any  # torch.bfloat16 / torch.float16
-    shift: int = 0
+    read: Callable[[], Any]
 
 
 def widen(w, shift: int = 0):
@@ -40,15 +43,17 @@ def _function():
 
     class WidenedLinear(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, weight, bias, shift):
-            ctx.shift = shift
+        def forward(ctx, x, weight, bias, shift, read):
+            ctx.shift, ctx.read = shift, read
+            if read is not None:  # not held: read for this call, read again by the backward
+                return torch.nn.functional.linear(x, read(), bias)
             ctx.save_for_backward(weight)
             return torch.nn.functional.linear(x, widen(weight, shift), bias)
 
         @staticmethod
         def backward(ctx, gy):
-            (weight,) = ctx.saved_tensors
-            return gy.matmul(widen(weight, ctx.shift)), None, None, None
+            wide = ctx.read() if ctx.read is not None else widen(ctx.saved_tensors[0], ctx.shift)
+            return gy.matmul(wide), None, None, None, None
 
     return WidenedLinear
 
@@ -56,9 +61,10 @@ def _function():
 def _forward(linear, x):
     weight = linear.weight
     shift = getattr(linear, "held_shift", 0)
-    if weight.dtype == x.dtype and not shift:
+    read = getattr(linear, "held_read", None)
+    if read is None and weight.dtype == x.dtype and not shift:
         return linear.__class__.forward(linear, x)
-    return _function().apply(x, weight, linear.bias, shift)
+    return _function().apply(x, weight, linear.bias, shift, read)
 
 
 def widen_on_use(module) -> list:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .contract import LM
 from ..errors import IntegrityError
-from ..engine.streamed_weights import TensorInfo, as_f32, locate, trim_freed_memory
+from ..engine.streamed_weights import TensorInfo, as_f32, locate, read_f32, trim_freed_memory
 
 
 def _read(folder: Path, t: TensorInfo, dtype, device="cpu"):
@@ -47,7 +47,7 @@ class StreamedTextModel:
 
     def __init__(self, source: Path, dtype=None, weights=None, device="cpu", hold: bool = False, narrow: bool = False) -> None:
         """``dtype``: torch.float32 (the gate's) or torch.float64 (how far fp32 itself is from exact).
-        ``weights``: name -> fp32 array, ``held_weights.Held`` or None, for tensors read from elsewhere
+        ``weights``: name -> fp32 array, ``held_weights.OnUse`` or None, for tensors read from elsewhere
         than the release (a compressed asset's own dequantized weights: ``asset_readback.dequantized``),
         one layer at a time. ``device``: where the arithmetic runs (the plan's ``--device``); ``hold``:
         the release's weights stay there once read (a device the whole model fits on), else streamed.
@@ -109,7 +109,7 @@ class StreamedTextModel:
     def _load(self, module, prefix: str, weights=None) -> None:
         import torch
 
-        from .held_weights import Held, widen
+        from .held_weights import OnUse
 
         weights = weights if weights is not None else self.weights
         for name, p in list(module.named_parameters()):
@@ -118,12 +118,15 @@ class StreamedTextModel:
             full = f"{LM}{prefix}{name}"
             narrow = self.narrow and attr == "weight" and isinstance(target, torch.nn.Linear)
             other = weights(full) if weights is not None else None
-            shift = 0
-            if isinstance(other, Held):
-                if narrow:
-                    value, shift = other.values.to(device=self.device), other.shift
-                else:
-                    value = widen(other.values, other.shift).to(device=self.device, dtype=self.dtype)
+            if narrow:
+                target.held_read = None
+            if narrow and not self.hold and (isinstance(other, OnUse) or (other is None and self.infos[full].dtype in ("BF16", "F16"))):
+                # streamed: read where the linear is called, not held for the layer (``held_weights.OnUse``)
+                target.held_read = other.read if other is not None else self._reader(self.infos[full])
+                target._parameters[attr] = torch.nn.Parameter(torch.empty(p.shape, device="meta"), requires_grad=False)
+                continue
+            if isinstance(other, OnUse):
+                value = other.read().to(device=self.device, dtype=self.dtype)
             elif other is not None:
                 value = torch.from_numpy(other).to(device=self.device, dtype=self.dtype)
             elif full in self._held:
@@ -134,9 +137,18 @@ class StreamedTextModel:
                     _read(self.source, self.infos[full], self.dtype, self.device)
                 if self.hold:
                     self._held[full] = value
-            if narrow:
-                target.held_shift = shift
             target._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
+
+    def _reader(self, t: TensorInfo):
+        """The release's 16-bit tensor ``t`` read and widened into a new fp32 tensor, on the device."""
+        import torch
+
+        def read():
+            wide = torch.empty(t.shape, dtype=torch.float32)
+            read_f32(self.source, t, wide.numpy())
+            return wide.to(self.device)
+
+        return read
 
     @contextmanager
     def layer_loaded(self, i: int, weights=None):

@@ -10,66 +10,67 @@ from pathlib import Path
 import numpy as np
 
 from .contract import layer_of
-from .held_weights import Held
+from .held_weights import OnUse
 from ..engine.streamed_weights import TensorInfo, raw_blocks, scale_exponent
 
 
 def dequantized_release(folder: Path, t: TensorInfo, scheme, scaled: bool) -> np.ndarray:
     """The release tensor as the compressed asset computes with it (fp32): codes and scales of the
     values times ``2**k`` (fp32 compute; ``k`` by the build's rule), dequantized, times ``2**-k``."""
-    from .held_weights import widen
-
-    h = dequantized_held(folder, t, scheme, scaled)
-    return widen(h.values, h.shift).numpy()
+    return dequantized_wide(folder, t, scheme, scaled).numpy()
 
 
-def dequantized_held(folder: Path, t: TensorInfo, scheme, scaled: bool) -> Held:
-    """``dequantized_release`` as it is held: the dequantized fp16 values and ``k`` (the fp32
-    tensor is their widening times ``2**-k``, exactly).
-
-    The build's quantizer (``quantize.scales_torch`` / ``codes_torch``, held equal to the gate's
-    numpy rule by tests) over row tiles in the CPU's cache, written into the result tile by tile:
-    the numpy rule over the whole matrix was half of a plan-weights record's time at real width."""
+def dequantized_wide(folder: Path, t: TensorInfo, scheme, scaled: bool):
+    """``dequantized_release`` as a torch tensor: the build's quantizer (``quantize.scales_torch`` /
+    ``codes_torch``, held equal to the gate's numpy rule by tests) over row tiles in the CPU's
+    cache, each tile's fp16 values written into one fp32 tensor (exact), times ``2**-k``. The
+    release's bytes are read twice from the page cache (the largest magnitude, then the tiles)
+    rather than held whole: the tensor is read again at each use (``held_weights.OnUse``)."""
     import torch
 
     from ..engine.quantize import codes_torch, dequantize_torch, scales_torch
     from ..engine.streamed_weights import TILE_VALUES, torch_view
 
     rows, cols = t.shape
-    src = None  # the whole tensor as stored (bf16 / fp16 / fp32)
-    for r0, r1, raw in raw_blocks(folder, t):
-        block = torch_view(raw, t.dtype).view(r1 - r0, cols)
-        src = torch.empty((rows, cols), dtype=block.dtype) if src is None else src
-        src[r0:r1] = block
-    if src is None:  # no rows
-        return Held(torch.zeros(t.shape, dtype=torch.float16))
-    k = scale_exponent(max(abs(float(src.min())), abs(float(src.max())))) if scaled else 0
-    out = torch.empty((rows, cols), dtype=torch.float16)
+    out = torch.empty((rows, cols), dtype=torch.float32)
+    k = 0
+    if scaled and rows:
+        top = 0.0
+        for _, _, raw in raw_blocks(folder, t):
+            block = torch_view(raw, t.dtype)
+            top = max(top, abs(float(block.min())), abs(float(block.max())))
+        k = scale_exponent(top)
     step = max(1, TILE_VALUES // cols)
     work = torch.empty(step * cols, dtype=torch.float32)
     w = torch.empty(step * cols, dtype=torch.float32)
-    for a in range(0, rows, step):
-        tile = w[: min(step, rows - a) * cols].view(-1, cols)
-        tile.copy_(src[a:a + step])  # exact: bf16 / fp16 widened
-        if k:
-            tile.mul_(2.0 ** k)  # a power of two: exact, as the build's scaling
-        scales = scales_torch(tile, scheme, work)
-        out[a:a + step] = dequantize_torch(codes_torch(tile, scales, scheme, work), scales, scheme)
-    return Held(out, k)
+    for r0, r1, raw in raw_blocks(folder, t):
+        block = torch_view(raw, t.dtype).view(r1 - r0, cols)
+        for a in range(0, r1 - r0, step):  # a row's codes depend on that row alone: tiles may start anywhere
+            tile = w[: min(step, r1 - r0 - a) * cols].view(-1, cols)
+            tile.copy_(block[a:a + step])
+            if k:
+                tile.mul_(2.0 ** k)
+            scales = scales_torch(tile, scheme, work)
+            out[r0 + a:r0 + a + len(tile)] = dequantize_torch(codes_torch(tile, scales, scheme, work), scales, scheme)
+    if k:
+        out.mul_(2.0 ** -k)  # as ``held_weights.widen``: exact
+    return out
 
 
 class Dequantizer:
-    """name -> the dequantized release tensor as it is held (``Held``), for the names of ``layers``
-    (None elsewhere)."""
+    """name -> the dequantized release tensor, for the names of ``layers`` (None elsewhere), read
+    where it is used (``OnUse``: ``dequantized_wide``; a reference that holds its weights reads it
+    once, on load)."""
 
     def __init__(self, folder: Path, infos: dict[str, TensorInfo], scheme, compressed: list[str], scaled: bool) -> None:
         self.folder, self.infos, self.scheme, self.scaled = Path(folder), infos, scheme, scaled
         self.compressed = set(compressed)
         self.layers: set[int] = set()
 
-    def __call__(self, name: str) -> Held | None:
+    def __call__(self, name: str) -> OnUse | None:
         if name in self.compressed and layer_of(name) in self.layers:
-            return dequantized_held(self.folder, self.infos[name], self.scheme, self.scaled)
+            t = self.infos[name]
+            return OnUse(lambda: dequantized_wide(self.folder, t, self.scheme, self.scaled))
         return None
 
 

@@ -200,10 +200,11 @@ def raw_blocks(folder: Path, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
             yield r0, r1, buf[:n]
 
 
-def read_f32(folder: Path, t: TensorInfo) -> np.ndarray:
+def read_f32(folder: Path, t: TensorInfo, out: np.ndarray | None = None) -> np.ndarray:
     """The whole tensor in fp32 (exact from bf16 / fp16), read in row blocks: for a reference that
-    holds one block of layers at a time (the vision gate's tower)."""
-    out = np.empty(int(np.prod(t.shape)), np.float32)
+    holds one block of layers at a time (the vision gate's tower). ``out``: an fp32 array of the
+    tensor's size, written in place (no 16-bit copy of the whole beside it)."""
+    out = np.empty(int(np.prod(t.shape)), np.float32) if out is None else out.reshape(-1)
     at = 0
     for _, _, raw in raw_blocks(folder, t):
         n = raw.size // _ITEMSIZE[t.dtype]
