@@ -445,6 +445,37 @@ def test_weights_held_in_16_bits_are_the_same_fp32_arithmetic(make_tiny):
     assert torch.equal(got[0], got[1])
 
 
+def test_the_head_parked_for_the_sweep_comes_back_the_same(tmp_path):
+    """The reverse sweep parks the head's weights in the planner's folder (the head is called only
+    for the sweep's first gradients): out of memory inside the block, the same tensors after it,
+    16-bit ones still 16-bit, the same outputs; the file goes with the block."""
+    import torch
+
+    from clef_flash.backbone.held_weights import hold_narrow
+    from clef_flash.backbone.sensitivity import LayerOutputs
+    from clef_flash.build.plan_weights import Calibration
+
+    gen = torch.Generator().manual_seed(0)
+    head = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    with torch.no_grad():
+        head[0].weight.copy_(torch.randn(32, 16, generator=gen).to(torch.bfloat16).float())
+    hold_narrow(head)
+    x = torch.randn(5, 16, generator=gen)
+    before = {n: t.clone() for n, t in head.state_dict().items()}
+    want = head(x)
+    cal = Calibration([], [], head, None, "cpu")
+    with LayerOutputs(tmp_path) as outputs:
+        with cal.parked(outputs):
+            assert {t.device.type for t in head.state_dict().values()} == {"meta"}
+            assert (outputs.path / "head.pt").is_file()
+        assert not (outputs.path / "head.pt").exists()
+    after = head.state_dict()
+    assert after.keys() == before.keys()
+    assert all(after[n].dtype == before[n].dtype and torch.equal(after[n], before[n]) for n in before)
+    assert head[0].weight.dtype == torch.bfloat16 and not head[0].weight.requires_grad
+    assert torch.equal(head(x), want)
+
+
 def test_a_weight_is_held_narrow_only_where_that_is_exact():
     """``hold_narrow`` keeps a linear's weight in 16 bits only where every value survives the round
     trip; a MultiheadAttention's out_proj (read by the attention itself) stays fp32; the outputs

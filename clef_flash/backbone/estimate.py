@@ -14,7 +14,7 @@ How it works: docs/modules.md."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,12 +173,13 @@ def forward_pass(ref, records: list[np.ndarray], outputs: LayerOutputs, calls: L
 
 def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compressed: list[str], scaled: bool,
                   outputs: LayerOutputs, calls: LayerCalls, layer_types: list[str], back_tick=lambda: None,
-                  measured: dict[int, dict[int, np.ndarray]] | None = None) -> dict[int, LayerEstimate]:
+                  measured: dict[int, dict[int, np.ndarray]] | None = None, parked=nullcontext) -> dict[int, LayerEstimate]:
     """Each compressed layer's estimate, after ``forward_pass`` kept every layer's output and what it
     was passed. ``options(r, rows)`` is the head on record ``r``'s final rows (``[1, T, H]``, with
     grad) -> every option's probability, a 1-D tensor a question. ``measured[r][i]``: record ``r``'s signed changes
     with layer ``i`` alone compressed, measured end to end (``measured_alone``): taken as they are,
-    nothing carried back for ``r``. ``back_tick`` ticks per layer."""
+    nothing carried back for ``r``. ``back_tick`` ticks per layer. ``parked()``: a block during
+    which what ``options`` reads may leave memory (the layers' sweep, after the first gradients)."""
     import torch
 
     layers = len(ref.model.layers)
@@ -213,26 +214,27 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
         kept = outputs.entering(i, r)
         return (ref.embed(records[r]) if kept is None else torch.from_numpy(kept).to(device=dev, dtype=dtype))[None]
 
-    for i in reversed(range(layers)):
-        kwargs_of = {r: calls.by_record[r][layer_types[i]] for r in range(len(records))}
-        changes: dict[int, list[float]] = {r: [float(v) for v in measured[r][i]] for r in measured} if i in by_layer else {}
-        if i in by_layer:  # compressed: its own output first, so that its two forms are never held at once
-            deq.layers = {i}
-            with ref.layer_loaded(i, deq) as squeezed:
-                for r in range(len(records)):
-                    # the pass's own output of the layer is what the layer gives run alone (bit for bit: tested)
-                    want = torch.from_numpy(outputs.entering(i + 1, r)).to(device=dev, dtype=dtype)[None]
-                    d = _own_error(estimates[i], squeezed, entering(i, r), want, kwargs_of[r])
-                    if r in carried:
-                        outputs.save(_diff_path(outputs, r, i).name, d.cpu().numpy())
-        if carried and (i in by_layer or i > 0):
-            with ref.layer_loaded(i) as layer:
-                for r in carried:
-                    changes[r] = _carried(layer, config, entering(i, r), kwargs_of[r], outputs, r, i, sizes[r], estimates.get(i))
-        if i in by_layer:
-            for r in range(len(records)):  # in record order, as the oracle's figures are
-                estimates[i].dp.extend(changes[r])
-        back_tick()
+    with parked():  # the head is not called again in the sweep
+        for i in reversed(range(layers)):
+            kwargs_of = {r: calls.by_record[r][layer_types[i]] for r in range(len(records))}
+            changes: dict[int, list[float]] = {r: [float(v) for v in measured[r][i]] for r in measured} if i in by_layer else {}
+            if i in by_layer:  # compressed: its own output first, so that its two forms are never held at once
+                deq.layers = {i}
+                with ref.layer_loaded(i, deq) as squeezed:
+                    for r in range(len(records)):
+                        # the pass's own output of the layer is what the layer gives run alone (bit for bit: tested)
+                        want = torch.from_numpy(outputs.entering(i + 1, r)).to(device=dev, dtype=dtype)[None]
+                        d = _own_error(estimates[i], squeezed, entering(i, r), want, kwargs_of[r])
+                        if r in carried:
+                            outputs.save(_diff_path(outputs, r, i).name, d.cpu().numpy())
+            if carried and (i in by_layer or i > 0):
+                with ref.layer_loaded(i) as layer:
+                    for r in carried:
+                        changes[r] = _carried(layer, config, entering(i, r), kwargs_of[r], outputs, r, i, sizes[r], estimates.get(i))
+            if i in by_layer:
+                for r in range(len(records)):  # in record order, as the oracle's figures are
+                    estimates[i].dp.extend(changes[r])
+            back_tick()
     return estimates
 
 

@@ -96,6 +96,17 @@ class LayerOutputs:
         except OSError as exc:
             raise self._full(exc) from None
 
+    def keep(self, name: str, obj) -> Path:
+        """``obj`` saved by torch as ``name`` of the folder; a full disk an ``OutputError``."""
+        import torch
+
+        path = self.path / name
+        try:
+            torch.save(obj, path)
+        except OSError as exc:
+            raise self._full(exc) from None
+        return path
+
     def mapped(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A new fp32 ``.npy`` file ``name`` of the folder, mapped for writing, its blocks reserved
         first: on a full disk a write through a map is a SIGBUS, which no handler can turn into an

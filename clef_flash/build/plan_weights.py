@@ -6,6 +6,7 @@ How it works: docs/modules.md."""
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,6 +145,27 @@ class Calibration:
         ids = torch.from_numpy(self.records[r])[None].to(self.device)
         with one_thread():
             return self.head(rows, ids, torch.ones_like(ids), [self.encoded[r]], self.table)[0]
+
+    @contextmanager
+    def parked(self, outputs):
+        """The head's weights out of memory for the block, in a file of ``outputs``
+        (``sensitivity.LayerOutputs``; 0.32 GB at the real head: the reverse sweep calls the head
+        only for its first gradients, and its peak is the carry-back's), read back after: the same
+        tensors, dtypes and values."""
+        import torch
+
+        from ..engine.streamed_weights import trim_freed_memory
+
+        path = outputs.keep("head.pt", self.head.state_dict())
+        kept = self.head.state_dict()
+        self.head.load_state_dict({n: torch.empty_like(t, device="meta") for n, t in kept.items()}, assign=True)
+        del kept
+        trim_freed_memory()
+        try:
+            yield
+        finally:
+            self.head.load_state_dict(torch.load(path, map_location=self.device, weights_only=True), assign=True)
+            path.unlink()
 
     def probs(self, rows: list[np.ndarray], which: list[int] | None = None) -> list[np.ndarray]:
         """Every option's probability, per record (the questions' in order, concatenated): ``rows``
@@ -391,7 +413,8 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
         t_measured, t0 = time.perf_counter() - t0, time.perf_counter()
         with progress("plan: each layer's own error and first-order effect, last to first", layers, "layers") as back:
             estimates = reverse_sweep(ref, records, cal.question_probs, inp.infos, inp.scheme, inp.compressed, inp.scaled,
-                                      outputs, calls, list(text.layer_types), back, {r: measured[r] for r in alone_records})
+                                      outputs, calls, list(text.layer_types), back, {r: measured[r] for r in alone_records},
+                                      parked=lambda: cal.parked(outputs))
         t_reverse, t0 = time.perf_counter() - t0, time.perf_counter()
         trial.estimates = estimates
         fast = sorted(with_codes, key=lambda i: (-estimates[i].estimated_dp, -estimates[i].rel_max_abs_d, i))
