@@ -51,8 +51,9 @@ class StreamedTextModel:
         than the release (a compressed asset's own dequantized weights: ``asset_readback.dequantized``),
         one layer at a time. ``device``: where the arithmetic runs (the plan's ``--device``); ``hold``:
         the release's weights stay there once read (a device the whole model fits on), else streamed.
-        ``narrow`` (fp32 only): the linears' weights held in 16 bits as stored and widened on use
-        (``held_weights``: the same fp32 arithmetic, half the memory)."""
+        ``narrow`` (fp32 only): the linears' weights read where each linear is called, not held
+        (streamed), or held in 16 bits as stored (``hold``), widened on use (``held_weights``: the
+        same fp32 arithmetic)."""
         import torch
 
         from ..sources.reference import import_reference
