@@ -84,6 +84,27 @@ def test_the_shipped_head_answers_the_request_set_like_the_author(tmp_path, tiny
     assert t["bar"]["reason"] and t["table"]["built"] is True and t["versions"]["transformers"] != "missing"
 
 
+@pytest.mark.parametrize("delay", [0.3, 1.5])
+def test_ctrl_c_in_check_release_is_exit_130_and_nothing_written(tmp_path, tiny_release, delay):
+    """Issue 48 item 5: Ctrl-C from the first moment of check-release (once 1.5 s in printed a
+    KeyboardInterrupt traceback and exited 1) is exit 130, one line, no transcript."""
+    import signal
+    import subprocess
+    import time
+
+    rel, bundle = tiny_release
+    out = tmp_path / "transcript.json"
+    proc = subprocess.Popen([str(Path(sys.executable).parent / "clef-export"), "check-release", str(rel), "--bundle", str(bundle),
+                             "--transcript", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert [x for x in err.splitlines() if "interrupted" in x] == ["interrupted: nothing was written"], err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("arm", ["spans", "lexical"])
 def test_red_arm_fails(tiny_release, arm):
     rel, bundle = tiny_release

@@ -381,6 +381,36 @@ def test_device_and_estimate_options_are_checked_before_any_work(make_tiny, tmp_
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--budget-dp", "0"], "--budget-dp must be in (0, 1], got 0.0"),
+    (["--budget-dp", "-0.5"], "--budget-dp must be in (0, 1], got -0.5"),
+    (["--budget-dp", "nan"], "--budget-dp must be in (0, 1], got nan"),
+    (["--records", "0"], "--records must be >= 1"),
+    (["--out", "{tmp}"], "{tmp}: is a folder; --out names the plan file to write"),
+    (["--out", "{tmp}/missing/plan.json"], "{tmp}/missing: folder not found for --out"),
+    (["--recipe", "{root}/conversion/head_bucket_fp16w32.toml"], "plan-weights takes a compressed backbone recipe"),
+    (["--recipe", "{root}/conversion/backbone_pf64_fp16.toml"], "plan-weights takes a compressed backbone recipe"),
+    (["--release", "{tmp}/no-release"], "{tmp}/no-release: release folder not found"),
+])
+def test_plan_weights_refuses_its_options_before_any_work(make_tiny, tmp_path, args, says):
+    """Issue 48 item 3: each bad option is refused by name (exit 2) before the release is hashed or
+    a record encoded (it was, once, after about 40 s of work), and no plan is written."""
+    root = Path(__file__).resolve().parents[1]
+    fill = lambda v: v.replace("{tmp}", str(tmp_path)).replace("{root}", str(root))  # noqa: E731
+    opts = {"--recipe": str(RECIPE), "--out": str(tmp_path / "plan.json"), "--release": str(make_tiny(0))}
+    extra = []
+    for k, v in zip(args[::2], args[1::2]):
+        if k in opts:
+            opts[k] = fill(v)
+        else:
+            extra += [k, fill(v)]
+    res = runner.invoke(app, ["plan-weights", opts.pop("--release"), *[x for kv in opts.items() for x in kv], *extra])
+    assert res.exit_code == 2, res.output
+    assert fill(says) in res.output, res.output
+    assert "hashing" not in res.output and "plan:" not in res.output and "calibration records" not in res.output, res.output
+    assert not (tmp_path / "plan.json").exists()
+
+
 def test_weights_held_on_the_device_give_the_streamed_rows(make_tiny, monkeypatch):
     """Where the release fits on the device the plan holds its weights (read once); the rows are
     the streamed reference's bit for bit (the CPU stands in for the device here)."""
