@@ -43,28 +43,27 @@ def _function():
 
     class WidenedLinear(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, weight, bias, shift, read):
-            ctx.shift, ctx.read = shift, read
+        def forward(ctx, x, weight, bias, read):
+            ctx.read = read
             if read is not None:  # not held: read for this call, read again by the backward
                 return torch.nn.functional.linear(x, read(), bias)
             ctx.save_for_backward(weight)
-            return torch.nn.functional.linear(x, widen(weight, shift), bias)
+            return torch.nn.functional.linear(x, widen(weight), bias)
 
         @staticmethod
         def backward(ctx, gy):
-            wide = ctx.read() if ctx.read is not None else widen(ctx.saved_tensors[0], ctx.shift)
-            return gy.matmul(wide), None, None, None, None
+            wide = ctx.read() if ctx.read is not None else widen(ctx.saved_tensors[0])
+            return gy.matmul(wide), None, None, None
 
     return WidenedLinear
 
 
 def _forward(linear, x):
     weight = linear.weight
-    shift = getattr(linear, "held_shift", 0)
     read = getattr(linear, "held_read", None)
-    if read is None and weight.dtype == x.dtype and not shift:
+    if read is None and weight.dtype == x.dtype:
         return linear.__class__.forward(linear, x)
-    return _function().apply(x, weight, linear.bias, shift, read)
+    return _function().apply(x, weight, linear.bias, read)
 
 
 def widen_on_use(module) -> list:

@@ -156,8 +156,8 @@ class Calibration:
 
         from ..engine.streamed_weights import trim_freed_memory
 
-        path = outputs.keep("head.pt", self.head.state_dict())
         kept = self.head.state_dict()
+        path = outputs.keep("head.pt", kept)
         self.head.load_state_dict({n: torch.empty_like(t, device="meta") for n, t in kept.items()}, assign=True)
         del kept
         trim_freed_memory()
