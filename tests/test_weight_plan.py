@@ -438,7 +438,8 @@ def test_weights_held_in_16_bits_are_the_same_fp32_arithmetic(make_tiny):
     release's bf16 widened, or a compressed layer's dequantization: ``held_weights.OnUse``) and
     read again by the backward: the rows, with and without compressed layers, and the gradients
     carried back through a layer are the fp32 reference's bit for bit (the dequantization itself:
-    ``test_compressed::test_the_planners_dequantized_weights_are_the_numpy_rules``)."""
+    ``test_compressed::test_the_planners_dequantized_weights_are_the_numpy_rules``; the carry-back
+    reads by blocks of rows, one a matrix at this width: its own test below)."""
     import torch
 
     from clef_flash.backbone.contract import compressed_names, read_text_config, weight_names
@@ -473,6 +474,55 @@ def test_weights_held_in_16_bits_are_the_same_fp32_arithmetic(make_tiny):
             with ref.layer_loaded(2) as layer:
                 got.append(_carry_back(layer, wide.model.config, x, calls.by_record[0][types[2]], g))
     assert torch.equal(got[0], got[1])
+
+
+def test_the_carry_back_reads_a_streamed_weight_by_blocks_of_rows(make_tiny, monkeypatch):
+    """In the carry-back no streamed linear's fp32 weight is read whole (``held_weights.in_blocks``:
+    a block of rows at a time, here blocks of a few rows so that every matrix has several): the
+    gradients are the unblocked ones' within fp32's rounding of a sum in another order, and the
+    same bits on a rerun; outside the carry-back the whole matrix is read, as before."""
+    import torch
+
+    from clef_flash.backbone import held_weights
+    from clef_flash.backbone.contract import read_text_config
+    from clef_flash.backbone.estimate import LayerCalls, _carry_back, forward_pass
+    from clef_flash.backbone.reference import StreamedTextModel
+    from clef_flash.backbone.sensitivity import LayerOutputs
+
+    release = make_tiny(0)
+    text = read_text_config(release)
+    types = list(text.layer_types)
+    wide, narrow = StreamedTextModel(release), StreamedTextModel(release, narrow=True)
+    monkeypatch.setattr(held_weights, "BLOCK_BYTES", 4 * 3 * text.hidden_size)  # 3 rows of a hidden width, in fp32
+    records = [np.random.default_rng(5).integers(0, 500, 45)]
+    with LayerOutputs() as outputs:
+        calls = LayerCalls(wide, types)
+        forward_pass(wide, records, outputs, calls)
+        for i in (1, 3):  # linear attention, full attention
+            x = torch.from_numpy(outputs.entering(i, 0))[None]
+            g = torch.randn((2,) + tuple(x.shape[1:]), generator=torch.Generator().manual_seed(i))
+            with wide.layer_loaded(i) as layer:
+                want = _carry_back(layer, wide.model.config, x, calls.by_record[0][types[i]], g)
+            got, blocks = [], []
+
+            def whole():
+                raise AssertionError("a streamed weight read whole in the carry-back")
+
+            with narrow.layer_loaded(i) as layer:
+                linears = [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+                for m in linears:
+                    def counted(m=m, every=m.held_blocks):
+                        for r0, r1, w in every():
+                            blocks.append((id(m), w.numel() * w.element_size()))
+                            yield r0, r1, w
+                    m.held_blocks, m.held_read = counted, whole
+                for _ in range(2):
+                    got.append(_carry_back(layer, wide.model.config, x, calls.by_record[0][types[i]], g))
+            assert torch.equal(got[0], got[1]), i
+            scale = float(want.abs().max())
+            assert float((got[0] - want).abs().max()) <= 1e-5 * scale, (i, float((got[0] - want).abs().max()), scale)
+            assert {m for m, _ in blocks} == {id(m) for m in linears}, i
+            assert max(n for _, n in blocks) <= held_weights.BLOCK_BYTES and len(blocks) > 2 * 2 * len(linears), i  # forward and backward, twice
 
 
 def test_the_head_parked_for_the_sweep_comes_back_the_same(tmp_path):

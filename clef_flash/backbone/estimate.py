@@ -22,6 +22,7 @@ import numpy as np
 
 from .contract import LM, layer_of
 from .delta_rule import swapped
+from .held_weights import in_blocks
 from .sensitivity import Dequantizer, LayerOutputs
 
 
@@ -132,13 +133,14 @@ def _carry_back(layer, config, x, kwargs: dict, g):
     """``g`` ([B, T, H], the options' gradients at the layer's output) carried to its input: one
     forward of B copies of ``x`` and one backward (B vector-Jacobian products at once). The
     gradients are the first-order estimate's, not its values: the copies' full attention is SDPA's
-    causal kernel on the unpadded record (the eager mask it replaces is the causal one), and the
-    linear attention's scan ``delta_rule``'s (the same bits, a backward linear in the length)."""
+    causal kernel on the unpadded record (the eager mask it replaces is the causal one), the
+    linear attention's scan ``delta_rule``'s (the same bits, a backward linear in the length), and
+    a streamed linear's weight read by blocks of rows (``held_weights.in_blocks``)."""
     import torch
 
     xb = x.detach().expand(len(g), -1, -1).clone().requires_grad_(True)
     kw = {k: (None if k == "attention_mask" else v) for k, v in kwargs.items()}
-    with _sdpa(config), swapped(layer), torch.enable_grad():
+    with _sdpa(config), swapped(layer), in_blocks(), torch.enable_grad():
         yb = layer(xb, **kw)
         yb = yb[0] if isinstance(yb, tuple) else yb
         return torch.autograd.grad(yb, xb, g)[0]

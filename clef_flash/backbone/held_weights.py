@@ -9,22 +9,46 @@ dropped, and read again by the backward; a layer takes one fp32 matrix at a time
 9B's widest), the reads from the page cache. The head's linears are held in 16 bits where that is
 exact (``hold_narrow``) and widened at each call. Either way the forward is ``F.linear`` on the
 fp32 matrix and the backward (the options' gradients carried back) widens or reads it again
-instead of keeping the fp32 copy autograd would save: the same arithmetic, bit for bit.
+instead of keeping the fp32 copy autograd would save: the same arithmetic, bit for bit. In the
+carry-back (``in_blocks``) a streamed weight is read 16 MB of rows at a time, never whole.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+BLOCK_BYTES = 16 << 20  # the fp32 rows of a weight read at a time in ``in_blocks``
 
 
 @dataclass(frozen=True)
 class OnUse:
     """A weight read at each use: ``read()`` gives the fp32 matrix (a new torch tensor), dropped
-    when the call that read it returns."""
+    when the call that read it returns; ``blocks()``, where given, its fp32 row blocks
+    ``(r0, r1, rows)`` of about ``BLOCK_BYTES`` each, one at a time (``in_blocks``)."""
 
     read: Callable[[], Any]
+    blocks: Callable[[], Iterator[tuple[int, int, Any]]] | None = None
+
+
+_blocked = [False]
+
+
+@contextmanager
+def in_blocks():
+    """Linears whose weight is read on use compute by row blocks of it during the block: the fp32
+    matrix is never whole in memory (201 MB at the 9B's widest, beside one option's activations in
+    the plan's carry-back, where the peak is). The forward's output columns are each block's, the
+    same dot products; the backward adds the blocks' products, a sum in another order than one
+    product's: for gradients whose bits need match nothing but themselves (``estimate._carry_back``)."""
+    kept = _blocked[0]
+    _blocked[0] = True
+    try:
+        yield
+    finally:
+        _blocked[0] = kept
 
 
 def widen(w, shift: int = 0):
@@ -43,8 +67,13 @@ def _function():
 
     class WidenedLinear(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, weight, bias, read):
-            ctx.read = read
+        def forward(ctx, x, weight, bias, read, blocks):
+            ctx.read, ctx.blocks = read, blocks
+            if blocks is not None:  # ``in_blocks``: each block of rows gives its columns of the output
+                y = x.new_empty(x.shape[:-1] + (weight.shape[0],))
+                for r0, r1, w in blocks():
+                    y[..., r0:r1] = torch.nn.functional.linear(x, w, None if bias is None else bias[r0:r1])
+                return y
             if read is not None:  # not held: read for this call, read again by the backward
                 return torch.nn.functional.linear(x, read(), bias)
             ctx.save_for_backward(weight)
@@ -52,8 +81,14 @@ def _function():
 
         @staticmethod
         def backward(ctx, gy):
+            if ctx.blocks is not None:
+                gx = None
+                for r0, r1, w in ctx.blocks():
+                    part = gy[..., r0:r1].matmul(w)
+                    gx = part if gx is None else gx.add_(part)
+                return gx, None, None, None, None
             wide = ctx.read() if ctx.read is not None else widen(ctx.saved_tensors[0])
-            return gy.matmul(wide), None, None, None
+            return gy.matmul(wide), None, None, None, None
 
     return WidenedLinear
 
@@ -63,7 +98,8 @@ def _forward(linear, x):
     read = getattr(linear, "held_read", None)
     if read is None and weight.dtype == x.dtype:
         return linear.__class__.forward(linear, x)
-    return _function().apply(x, weight, linear.bias, read)
+    blocks = getattr(linear, "held_blocks", None) if _blocked[0] else None
+    return _function().apply(x, weight, linear.bias, read, blocks)
 
 
 def widen_on_use(module) -> list:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .contract import LM
 from ..errors import IntegrityError
-from ..engine.streamed_weights import TensorInfo, as_f32, locate, read_f32, trim_freed_memory
+from ..engine.streamed_weights import TensorInfo, as_f32, locate, raw_blocks, read_f32, torch_view, trim_freed_memory
 
 
 def _read(folder: Path, t: TensorInfo, dtype, device="cpu"):
@@ -120,10 +120,11 @@ class StreamedTextModel:
             narrow = self.narrow and attr == "weight" and isinstance(target, torch.nn.Linear)
             other = weights(full) if weights is not None else None
             if narrow:
-                target.held_read = None
+                target.held_read = target.held_blocks = None
             if narrow and not self.hold and (isinstance(other, OnUse) or (other is None and self.infos[full].dtype in ("BF16", "F16"))):
                 # streamed: read where the linear is called, not held for the layer (``held_weights.OnUse``)
-                target.held_read = other.read if other is not None else self._reader(self.infos[full])
+                on_use = other if other is not None else self._reader(self.infos[full])
+                target.held_read, target.held_blocks = on_use.read, on_use.blocks
                 target._parameters[attr] = torch.nn.Parameter(torch.empty(p.shape, device="meta"), requires_grad=False)
                 continue
             if isinstance(other, OnUse):
@@ -141,15 +142,22 @@ class StreamedTextModel:
             target._parameters[attr] = torch.nn.Parameter(value, requires_grad=False)
 
     def _reader(self, t: TensorInfo):
-        """The release's 16-bit tensor ``t`` read and widened into a new fp32 tensor, on the device."""
+        """The release's 16-bit tensor ``t`` read where it is used (``held_weights.OnUse``): widened
+        into a new fp32 tensor on the device, whole or a block of rows at a time."""
         import torch
+
+        from .held_weights import BLOCK_BYTES, OnUse
 
         def read():
             wide = torch.empty(t.shape, dtype=torch.float32)
             read_f32(self.source, t, wide.numpy())
             return wide.to(self.device)
 
-        return read
+        def blocks():
+            for r0, r1, raw in raw_blocks(self.source, t, BLOCK_BYTES // 2):  # 16 bits a value
+                yield r0, r1, torch_view(raw, t.dtype).view(r1 - r0, -1).to(device=self.device, dtype=torch.float32)
+
+        return OnUse(read, blocks)
 
     @contextmanager
     def layer_loaded(self, i: int, weights=None):

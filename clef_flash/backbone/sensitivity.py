@@ -51,7 +51,7 @@ def dequantized_wide(folder: Path, t: TensorInfo, scheme, scaled: bool):
             if k:
                 tile.mul_(2.0 ** k)
             scales = scales_torch(tile, scheme, work)
-            out[r0 + a:r0 + a + len(tile)] = dequantize_torch(codes_torch(tile, scales, scheme, work), scales, scheme)
+            out[r0 + a:r0 + a + len(tile)] = dequantize_torch(codes_torch(tile, scales, scheme, work), scales, scheme, work)
     if k:
         out.mul_(2.0 ** -k)  # as ``held_weights.widen``: exact
     return out

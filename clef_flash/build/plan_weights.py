@@ -451,9 +451,10 @@ def plan_weights(cfg: PlanConfig, log=lambda m: None):
     from ..backbone.plan import PLAN_VERSION, LayerSensitivity, PlanScheme, WeightPlan
     from ..bundle import atomic_write_json
     from ..digest import sha256_file
-    from ..engine.streamed_weights import asset_bytes
+    from ..engine.streamed_weights import asset_bytes, freed_memory_given_back
 
     t_start = time.perf_counter()
+    freed_memory_given_back()
     recipe, budget = cfg.recipe, _budget(cfg)
     inp = _inputs(cfg, log)
     text, scheme, device, records = inp.text, inp.scheme, inp.device, inp.cal.records

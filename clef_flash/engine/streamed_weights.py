@@ -74,6 +74,21 @@ def trim_freed_memory(collect: bool = True) -> None:
         pass
 
 
+def freed_memory_given_back(threshold: int = 1 << 20) -> None:
+    """From now on in this process, glibc serves each allocation of ``threshold`` bytes or more
+    from a mapping of its own, unmapped when it is freed. By default that threshold follows the
+    largest block freed so far (up to 32 MiB), so a layer's activations of a few MiB each come
+    from the heap, where what is freed stays until a trim: the plan's carry-back of one option
+    through a 9B-wide layer peaked 164-319 MB higher so (docs/performance.md). A no-op elsewhere
+    (macOS gives large blocks back by itself)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).mallopt(-3, threshold)  # M_MMAP_THRESHOLD (malloc.h); fixes it, no longer moving
+    except (OSError, AttributeError):
+        pass
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str
