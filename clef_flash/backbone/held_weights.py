@@ -27,7 +27,8 @@ BLOCK_BYTES = 16 << 20  # the fp32 rows of a weight read at a time in ``in_block
 class OnUse:
     """A weight read at each use: ``read()`` gives the fp32 matrix (a new torch tensor), dropped
     when the call that read it returns; ``blocks()``, where given, its fp32 row blocks
-    ``(r0, r1, rows)`` of about ``BLOCK_BYTES`` each, one at a time (``in_blocks``)."""
+    ``(r0, r1, rows)`` of about ``BLOCK_BYTES`` each, one at a time, each good until the next is
+    asked for (``in_blocks``)."""
 
     read: Callable[[], Any]
     blocks: Callable[[], Iterator[tuple[int, int, Any]]] | None = None

@@ -13,7 +13,7 @@ import numpy as np
 
 from .contract import LM
 from ..errors import IntegrityError
-from ..engine.streamed_weights import TensorInfo, as_f32, locate, raw_blocks, read_f32, torch_view, trim_freed_memory
+from ..engine.streamed_weights import TensorInfo, as_f32, fp32_blocks, locate, read_f32, trim_freed_memory
 
 
 def _read(folder: Path, t: TensorInfo, dtype, device="cpu"):
@@ -143,7 +143,7 @@ class StreamedTextModel:
 
     def _reader(self, t: TensorInfo):
         """The release's 16-bit tensor ``t`` read where it is used (``held_weights.OnUse``): widened
-        into a new fp32 tensor on the device, whole or a block of rows at a time."""
+        into a new fp32 tensor on the device, or a block of rows at a time (``streamed_weights.fp32_blocks``)."""
         import torch
 
         from .held_weights import BLOCK_BYTES, OnUse
@@ -154,8 +154,8 @@ class StreamedTextModel:
             return wide.to(self.device)
 
         def blocks():
-            for r0, r1, raw in raw_blocks(self.source, t, BLOCK_BYTES // 2):  # 16 bits a value
-                yield r0, r1, torch_view(raw, t.dtype).view(r1 - r0, -1).to(device=self.device, dtype=torch.float32)
+            for r0, r1, wide in fp32_blocks(self.source, t, BLOCK_BYTES // 2):  # 16 bits a value
+                yield r0, r1, wide.view(r1 - r0, -1).to(self.device)
 
         return OnUse(read, blocks)
 

@@ -228,6 +228,25 @@ def read_f32(folder: Path, t: TensorInfo, out: np.ndarray | None = None) -> np.n
     return out.reshape(t.shape)
 
 
+def fp32_blocks(folder: Path, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
+    """The tensor as flat fp32 row blocks ``(r0, r1, values)`` of about ``block_bytes`` of the
+    shard each, converted by torch into one reused buffer (a fresh block each time spent more on
+    page faults than on converting): a block is good until the next is asked for."""
+    import torch
+
+    buf = None
+    for r0, r1, raw in raw_blocks(folder, t, block_bytes):
+        src = torch_view(raw, t.dtype)
+        if src.dtype == torch.float32:
+            yield r0, r1, src
+            continue
+        if buf is None:
+            buf = torch.empty(src.numel(), dtype=torch.float32)
+        out = buf[: src.numel()]
+        out.copy_(src)
+        yield r0, r1, out
+
+
 class TensorBlocks:
     """A release's tensors as the bytes the asset stores, in row blocks: fp16 (times 2**k), or a
     compressed tensor's codes and scales. What ``Fp16Weights.stream`` and the process that makes
@@ -238,21 +257,7 @@ class TensorBlocks:
         self.scheme = scheme
 
     def _blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
-        """The tensor as flat fp32 row blocks ``(r0, r1, values)``, converted by torch into one reused
-        buffer (a fresh block each time spent more on page faults than on converting)."""
-        import torch
-
-        buf = None
-        for r0, r1, raw in raw_blocks(self.folder, t, block_bytes):
-            src = torch_view(raw, t.dtype)
-            if src.dtype == torch.float32:
-                yield r0, r1, src
-                continue
-            if buf is None:
-                buf = torch.empty(src.numel(), dtype=torch.float32)
-            out = buf[: src.numel()]
-            out.copy_(src)
-            yield r0, r1, out
+        return fp32_blocks(self.folder, t, block_bytes)
 
     def _fp16_blocks(self, t: TensorInfo, k: int, block_bytes: int = _BLOCK_BYTES, ring: int = 1):
         """Row blocks of the shard -> fp16 (times 2**k): ``(r0, bytes)``, ``ring`` reused buffers in
