@@ -58,7 +58,7 @@ def _projection(row: dict, slice_layers: int) -> float:
     and each trial with L / n; the sweep's carrying with the layers above the first, (L - 1) / (n - 1)
     (its own-error runs grow less: generous); the records measured end to end (the oracle's: every
     record), with each compressed layer and those after it, L(L + 1) / n(n + 1). At 32 layers the
-    default carries back the records of at most 11 options that it measures at 4, so the default's
+    default carries back the records of at most 18 options that it measures at 4, so the default's
     9B is at most the smaller of the two projections."""
     s = row["seconds"]
     n, big = slice_layers, LAYERS_9B

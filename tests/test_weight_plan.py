@@ -164,25 +164,25 @@ def test_two_layers_within_budget_alone_over_it_together(make_tiny, plans, monke
 def test_each_record_is_taken_the_cheaper_way():
     """A record's per-layer changes are carried back (its options through the layers above the
     first) or measured end to end (each compressed layer and those after it), whichever costs less:
-    at 4 layers a record of 3 options is measured, at 32 one of 11 is carried back and one of 12 is
-    not; one compressed layer, the last, is always cheaper measured."""
-    from clef_flash.backbone.estimate import CARRY_UNITS, measured_alone
+    at 4 layers a record of 3 options is measured, at 32 one of 18 is carried back and one of 19 is
+    not (the carry-back's forward runs once a record, its backward once an option); one compressed
+    layer, the last, is always cheaper measured."""
+    from clef_flash.backbone.estimate import measured_alone
 
-    assert CARRY_UNITS == 1.5
     assert measured_alone([1, 2, 3, 6], 4, list(range(4))) == [2, 3]
-    assert measured_alone([1, 2, 11, 12], 32, list(range(32))) == [3]
+    assert measured_alone([1, 2, 18, 19], 32, list(range(32))) == [3]
     assert measured_alone([1, 2], 32, [31]) == [0, 1]
     assert measured_alone([], 32, list(range(32))) == []
 
 
 def test_records_measured_end_to_end_give_the_oracles_figures(make_tiny, plans, monkeypatch, tmp_path):
-    """Carrying made dear (10 forwards a copy), every record is measured end to end: each layer's
+    """Carrying made dear (10 forwards an option's backward), every record is measured end to end: each layer's
     figure is the oracle's own measurement, bit for bit, no Fisher term (nothing carried back), the
     same choice."""
     from clef_flash.backbone import estimate
     from clef_flash.backbone.plan import load_plan
 
-    monkeypatch.setattr(estimate, "CARRY_UNITS", 10)
+    monkeypatch.setattr(estimate, "BACKWARD_UNITS", 10)
     out = tmp_path / "measured.json"
     res = _one_thread_invoke(["plan-weights", str(make_tiny(0)), "--recipe", str(RECIPE), "--out", str(out),
                               "--budget-dp", "2e-4", "--records", RECORDS])
@@ -443,7 +443,7 @@ def test_weights_held_in_16_bits_are_the_same_fp32_arithmetic(make_tiny):
     import torch
 
     from clef_flash.backbone.contract import compressed_names, read_text_config, weight_names
-    from clef_flash.backbone.estimate import LayerCalls, _carry_back, forward_pass
+    from clef_flash.backbone.estimate import LayerCalls, forward_pass
     from clef_flash.backbone.reference import StreamedTextModel
     from clef_flash.backbone.sensitivity import Dequantizer, LayerOutputs, rows_with
     from clef_flash.engine.quantize import Scheme
@@ -472,8 +472,56 @@ def test_weights_held_in_16_bits_are_the_same_fp32_arithmetic(make_tiny):
         got = []
         for ref in (wide, narrow):
             with ref.layer_loaded(2) as layer:
-                got.append(_carry_back(layer, wide.model.config, x, calls.by_record[0][types[2]], g))
+                got.append(_carried_back(layer, wide.model.config, x, calls.by_record[0][types[2]], g))
     assert torch.equal(got[0], got[1])
+
+
+def _carried_back(layer, config, x, kwargs, g):
+    """Each option of ``g`` ([B, T, H]) carried back through ``layer`` on one forward."""
+    import torch
+
+    from clef_flash.backbone.estimate import carrying_back
+
+    with carrying_back(layer, config, x, kwargs) as back:
+        return torch.cat([back(g[o:o + 1]) for o in range(len(g))])
+
+
+def test_the_carry_back_runs_a_layer_forward_once_a_record(make_tiny):
+    """Every option's copy of a layer would run the same forward (the record's input, the same
+    weights): the carry-back runs it once with the graph kept and one backward an option. Each
+    option's gradient is the one its own forward gives, bit for bit, through a linear-attention and
+    a full-attention layer; the graph goes with the block."""
+    import torch
+
+    from clef_flash.backbone.contract import read_text_config
+    from clef_flash.backbone.estimate import LayerCalls, carrying_back, forward_pass
+    from clef_flash.backbone.reference import StreamedTextModel
+    from clef_flash.backbone.sensitivity import LayerOutputs
+
+    release = make_tiny(0)
+    text = read_text_config(release)
+    types = list(text.layer_types)
+    ref = StreamedTextModel(release, narrow=True)
+    with LayerOutputs() as outputs:
+        calls = LayerCalls(ref, types)
+        forward_pass(ref, [np.random.default_rng(7).integers(0, 500, 60)], outputs, calls)
+        for i in (1, 3):  # linear attention, full attention
+            x = torch.from_numpy(outputs.entering(i, 0))[None]
+            kwargs = calls.by_record[0][types[i]]
+            g = torch.randn((3,) + tuple(x.shape[1:]), generator=torch.Generator().manual_seed(i))
+            with ref.layer_loaded(i) as layer:
+                forwards = []
+                hook = layer.register_forward_hook(lambda *a: forwards.append(1))
+                with carrying_back(layer, ref.model.config, x, kwargs) as back:
+                    got = [back(g[o:o + 1]) for o in range(len(g))]
+                    assert len(forwards) == 1, i
+                hook.remove()
+                alone = []
+                for o in range(len(g)):  # each option on its own forward
+                    with carrying_back(layer, ref.model.config, x, kwargs) as back:
+                        alone.append(back(g[o:o + 1]))
+            assert all(torch.equal(a, b) for a, b in zip(got, alone, strict=True)), i
+            assert not torch.equal(got[0], got[1]), i
 
 
 def test_the_carry_back_reads_a_streamed_weight_by_blocks_of_rows(make_tiny, monkeypatch):
@@ -485,7 +533,7 @@ def test_the_carry_back_reads_a_streamed_weight_by_blocks_of_rows(make_tiny, mon
 
     from clef_flash.backbone import held_weights
     from clef_flash.backbone.contract import read_text_config
-    from clef_flash.backbone.estimate import LayerCalls, _carry_back, forward_pass
+    from clef_flash.backbone.estimate import LayerCalls, forward_pass
     from clef_flash.backbone.reference import StreamedTextModel
     from clef_flash.backbone.sensitivity import LayerOutputs
 
@@ -502,7 +550,7 @@ def test_the_carry_back_reads_a_streamed_weight_by_blocks_of_rows(make_tiny, mon
             x = torch.from_numpy(outputs.entering(i, 0))[None]
             g = torch.randn((2,) + tuple(x.shape[1:]), generator=torch.Generator().manual_seed(i))
             with wide.layer_loaded(i) as layer:
-                want = _carry_back(layer, wide.model.config, x, calls.by_record[0][types[i]], g)
+                want = _carried_back(layer, wide.model.config, x, calls.by_record[0][types[i]], g)
             got, blocks = [], []
 
             def whole():
@@ -517,7 +565,7 @@ def test_the_carry_back_reads_a_streamed_weight_by_blocks_of_rows(make_tiny, mon
                             yield r0, r1, w
                     m.held_blocks, m.held_read = counted, whole
                 for _ in range(2):
-                    got.append(_carry_back(layer, wide.model.config, x, calls.by_record[0][types[i]], g))
+                    got.append(_carried_back(layer, wide.model.config, x, calls.by_record[0][types[i]], g))
             assert torch.equal(got[0], got[1]), i
             scale = float(want.abs().max())
             assert float((got[0] - want).abs().max()) <= 1e-5 * scale, (i, float((got[0] - want).abs().max()), scale)

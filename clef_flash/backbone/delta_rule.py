@@ -1,5 +1,5 @@
 """The Gated DeltaNet's chunked scan with a backward linear in the record's length, for the plan's
-reverse sweep (``estimate._carry_back``).
+reverse sweep (``estimate.carrying_back``).
 
 transformers' ``torch_chunk_gated_delta_rule`` reads chunk ``i`` of six tensors as ``x[:, :, i]``
 in its scan; autograd answers each such read with a zero tensor the size of the whole ``x``, so its

@@ -7,8 +7,8 @@ max |dp| is taken over) and its gradient at the last layer's output. Reverse, on
 in memory at a time: the layer with its linears compressed, run on its kept input; its difference
 ``d`` from the kept output is its own error, ``<g, d>`` the first-order change of each option's
 probability, ``sum((g * d)**2)`` the diagonal Fisher term (ModelOpt's AutoQuantize score)
-reported beside it; then the layer uncompressed, every ``g`` carried back through it in batched
-backwards.
+reported beside it; then the layer uncompressed, run forward once a record with its graph kept,
+and every ``g`` carried back through it by one backward an option.
 
 How it works: docs/modules.md."""
 
@@ -85,36 +85,27 @@ class LayerCalls:
         return hook
 
 
-# one copy's forward and backward through a layer, in forwards of that layer: 1.4 measured at the
-# 9B's width (the slice), where the time goes; 2 to 4 at tiny width (docs/performance.md)
-CARRY_UNITS = 1.5
+# the carry-back through a layer, in forwards of that layer at the 9B's width (the slice, where the
+# time goes; docs/performance.md): its forward with the graph kept, once a record (0.69-0.78
+# measured), and one backward an option (0.86-0.91)
+FORWARD_UNITS = 0.75
+BACKWARD_UNITS = 0.9
 
 
 def measured_alone(options: list[int], layers: int, compressed: list[int]) -> list[int]:
     """The records whose per-layer changes cost less measured end to end than carried back
-    (``options``: each record's option count). The sweep carries each option's gradient back
-    through every layer above the first (options x (layers - 1) copies of CARRY_UNITS); the
-    end-to-end passes run each compressed layer i and the layers after it (the sum of layers - i).
-    Both scale with the record's tokens, so the choice is the record's options against the
-    layers: at 4 layers a record of 3 options is cheaper end to end, at 32 one of 11 is not."""
+    (``options``: each record's option count). The sweep runs the record through every layer above
+    the first once and carries each option's gradient back through it ((layers - 1) x
+    (FORWARD_UNITS + options x BACKWARD_UNITS)); the end-to-end passes run each compressed layer i
+    and the layers after it (the sum of layers - i). Both scale with the record's tokens, so the
+    choice is the record's options against the layers: at 4 layers a record of 3 options is
+    cheaper end to end, at 32 one of 18 is not."""
     end_to_end = sum(layers - i for i in compressed)
-    return [r for r, n in enumerate(options) if n * (layers - 1) * CARRY_UNITS > end_to_end]
-
-
-GRADS_BYTES = 256 << 20  # the options' gradients and their copies' activations at once (in groups past it)
-COPY_ROW_FLOATS = 16  # a copy's saved activations per token, in hidden widths (the MLP's and attention's, generously)
+    return [r for r, n in enumerate(options) if (layers - 1) * (FORWARD_UNITS + n * BACKWARD_UNITS) > end_to_end]
 
 
 def _grads_path(outputs: LayerOutputs, record: int, layer: int) -> Path:
     return outputs.path / f"grad-{layer}-{record}.npy"
-
-
-def _groups(options: int, tokens: int, hidden: int, row_floats: int = 1) -> list[slice]:
-    """Options carried back at once: each its gradient ([T, H]) and, through a layer, one copy of
-    the layer's activations (``row_floats`` hidden widths a token; no [heads, T, T]: the copies'
-    full attention runs as SDPA's causal kernel, ``_carry_back``)."""
-    step = max(1, GRADS_BYTES // max(1, 4 * tokens * hidden * row_floats))
-    return [slice(a, min(a + step, options)) for a in range(0, options, step)]
 
 
 @contextmanager
@@ -129,21 +120,23 @@ def _sdpa(config):
         config._attn_implementation = kept
 
 
-def _carry_back(layer, config, x, kwargs: dict, g):
-    """``g`` ([B, T, H], the options' gradients at the layer's output) carried to its input: one
-    forward of B copies of ``x`` and one backward (B vector-Jacobian products at once). The
-    gradients are the first-order estimate's, not its values: the copies' full attention is SDPA's
-    causal kernel on the unpadded record (the eager mask it replaces is the causal one), the
-    linear attention's scan ``delta_rule``'s (the same bits, a backward linear in the length), and
-    a streamed linear's weight read by blocks of rows (``held_weights.in_blocks``)."""
+@contextmanager
+def carrying_back(layer, config, x, kwargs: dict):
+    """The layer run forward once on ``x`` ([1, T, H]) with its graph kept; yields ``back``: an
+    option's gradient at the layer's output ([1, T, H]) -> at its input, one backward on that graph
+    (the graph goes with the block). Every option's forward would be the same: kept, it runs once a
+    record, at one option's memory. The gradients are the first-order estimate's, not its values:
+    the full attention is SDPA's causal kernel on the unpadded record (the eager mask it replaces is
+    the causal one), the linear attention's scan ``delta_rule``'s (the same bits, a backward linear
+    in the length), and a streamed linear's weight read by blocks of rows (``held_weights.in_blocks``)."""
     import torch
 
-    xb = x.detach().expand(len(g), -1, -1).clone().requires_grad_(True)
+    xb = x.detach().clone().requires_grad_(True)
     kw = {k: (None if k == "attention_mask" else v) for k, v in kwargs.items()}
     with _sdpa(config), swapped(layer), in_blocks(), torch.enable_grad():
         yb = layer(xb, **kw)
         yb = yb[0] if isinstance(yb, tuple) else yb
-        return torch.autograd.grad(yb, xb, g)[0]
+        yield lambda g: torch.autograd.grad(yb, xb, g, retain_graph=True)[0]
 
 
 def forward_pass(ref, records: list[np.ndarray], outputs: LayerOutputs, calls: LayerCalls | None = None,
@@ -254,17 +247,16 @@ def _carried(layer, config, x, kwargs: dict, outputs: LayerOutputs, r: int, i: i
     dev, dtype = x.device, x.dtype
     d = torch.from_numpy(np.load(_diff_path(outputs, r, i))).to(device=dev, dtype=dtype) if estimate is not None else None
     g_all = np.load(_grads_path(outputs, r, i), mmap_mode="r")
-    groups = _groups(len(g_all), *g_all.shape[1:], COPY_ROW_FLOATS + config.intermediate_size // config.hidden_size * 4)
     back = outputs.mapped(_grads_path(outputs, r, i - 1).name, g_all.shape) if i > 0 else None
     answers = Answers(sizes)
-    for part in groups:
-        g = torch.from_numpy(np.array(g_all[part])).to(device=dev, dtype=dtype)  # a copy: the file is read-only
-        if d is not None:
-            for o in range(len(g)):
+    with carrying_back(layer, config, x, kwargs) if back is not None and len(g_all) else nullcontext() as carry:
+        for o in range(len(g_all)):
+            g = torch.from_numpy(np.array(g_all[o])).to(device=dev, dtype=dtype)  # a copy: the file is read-only
+            if d is not None:
                 # summed by numpy in fp64 (pairwise, one thread): the same bits at any torch thread count
-                answers.add(part.start + o, (g[o] * d).double().cpu().numpy())
-        if back is not None:  # the options' gradients carried back through the layer
-            back[part] = _carry_back(layer, config, x, kwargs, g).cpu().numpy()
+                answers.add(o, (g * d).double().cpu().numpy())
+            if carry is not None:  # the option's gradient carried back through the layer
+                back[o] = carry(g[None])[0].cpu().numpy()
     del g_all
     _grads_path(outputs, r, i).unlink()
     if back is not None:

@@ -43,7 +43,7 @@ def in_blocks():
     matrix is never whole in memory (201 MB at the 9B's widest, beside one option's activations in
     the plan's carry-back, where the peak is). The forward's output columns are each block's, the
     same dot products; the backward adds the blocks' products, a sum in another order than one
-    product's: for gradients whose bits need match nothing but themselves (``estimate._carry_back``)."""
+    product's: for gradients whose bits need match nothing but themselves (``estimate.carrying_back``)."""
     kept = _blocked[0]
     _blocked[0] = True
     try:
