@@ -42,6 +42,18 @@ class LayerEstimate:
         return max((abs(v) for v in self.dp), default=0.0)
 
 
+@dataclass
+class Sweep:
+    """What ``reverse_sweep`` found, and the seconds of its three parts (they grow apart with the
+    layers: the head's gradients once, the own errors with the compressed layers, the carry-back with
+    the layers above the first)."""
+
+    estimates: dict[int, "LayerEstimate"]
+    head_s: float = 0.0  # every option's gradient at the last layer's output
+    own_s: float = 0.0  # each compressed layer run compressed: its own error and ``d``
+    carry_s: float = 0.0  # the first-order changes and the gradients carried back
+
+
 def set_estimate(estimates: dict[int, LayerEstimate], squeezed: set[int]) -> float:
     """The first-order max |dp| with ``squeezed`` compressed together: the layers' signed changes
     added per option (first order is linear), the worst option."""
@@ -168,15 +180,18 @@ def forward_pass(ref, records: list[np.ndarray], outputs: LayerOutputs, calls: L
 
 def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compressed: list[str], scaled: bool,
                   outputs: LayerOutputs, calls: LayerCalls, layer_types: list[str], back_tick=lambda: None,
-                  measured: dict[int, dict[int, np.ndarray]] | None = None, parked=nullcontext) -> dict[int, LayerEstimate]:
-    """Each compressed layer's estimate, after ``forward_pass`` kept every layer's output and what it
+                  measured: dict[int, dict[int, np.ndarray]] | None = None, parked=nullcontext) -> Sweep:
+    """Each compressed layer's estimate (``Sweep.estimates``), after ``forward_pass`` kept every layer's output and what it
     was passed. ``options(r, rows)`` is the head on record ``r``'s final rows (``[1, T, H]``, with
     grad) -> every option's probability, a 1-D tensor a question. ``measured[r][i]``: record ``r``'s signed changes
     with layer ``i`` alone compressed, measured end to end (``measured_alone``): taken as they are,
     nothing carried back for ``r``. ``back_tick`` ticks per layer. ``parked()``: a block during
     which what ``options`` reads may leave memory (the layers' sweep, after the first gradients)."""
+    import time
+
     import torch
 
+    t0 = time.perf_counter()
     layers = len(ref.model.layers)
     by_layer: dict[int, list[str]] = {}
     for n in compressed:
@@ -202,6 +217,7 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
             del out
 
     estimates = {i: LayerEstimate() for i in range(layers) if i in by_layer}
+    sweep = Sweep(estimates, head_s=time.perf_counter() - t0)
     carried = [r for r in range(len(records)) if r not in measured]
     deq = Dequantizer(ref.source, infos, scheme, compressed, scaled)
 
@@ -213,6 +229,7 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
         for i in reversed(range(layers)):
             kwargs_of = {r: calls.by_record[r][layer_types[i]] for r in range(len(records))}
             changes: dict[int, list[float]] = {r: [float(v) for v in measured[r][i]] for r in measured} if i in by_layer else {}
+            t0 = time.perf_counter()
             if i in by_layer:  # compressed: its own output first, so that its two forms are never held at once
                 deq.layers = {i}
                 with ref.layer_loaded(i, deq) as squeezed:
@@ -222,6 +239,7 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
                         d = _own_error(estimates[i], squeezed, entering(i, r), want, kwargs_of[r])
                         if r in carried:
                             outputs.save(_diff_path(outputs, r, i).name, d.cpu().numpy())
+            t1 = time.perf_counter()
             if carried and (i in by_layer or i > 0):
                 with ref.layer_loaded(i) as layer:
                     for r in carried:
@@ -229,8 +247,10 @@ def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compre
             if i in by_layer:
                 for r in range(len(records)):  # in record order, as the oracle's figures are
                     estimates[i].dp.extend(changes[r])
+            sweep.own_s += t1 - t0
+            sweep.carry_s += time.perf_counter() - t1
             back_tick()
-    return estimates
+    return sweep
 
 
 def _diff_path(outputs: LayerOutputs, record: int, layer: int) -> Path:

@@ -52,14 +52,11 @@ def in_blocks():
         _blocked[0] = kept
 
 
-def widen(w, shift: int = 0):
-    """The fp32 matrix (exact: bf16 / fp16 widened; a power of two, as the build's scaling)."""
+def widen(w):
+    """The fp32 matrix (exact: bf16 / fp16 widened)."""
     import torch
 
-    wide = w.to(torch.float32)
-    if shift:
-        wide = (wide if wide is not w else wide.clone()).mul_(2.0 ** -shift)
-    return wide
+    return w.to(torch.float32)
 
 
 @lru_cache(maxsize=1)

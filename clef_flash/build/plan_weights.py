@@ -412,11 +412,11 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
                 measured = trial.alone(with_codes, to_measure, tick)
         t_measured, t0 = time.perf_counter() - t0, time.perf_counter()
         with progress("plan: each layer's own error and first-order effect, last to first", layers, "layers") as back:
-            estimates = reverse_sweep(ref, records, cal.question_probs, inp.infos, inp.scheme, inp.compressed, inp.scaled,
+            sweep = reverse_sweep(ref, records, cal.question_probs, inp.infos, inp.scheme, inp.compressed, inp.scaled,
                                       outputs, calls, list(text.layer_types), back, {r: measured[r] for r in alone_records},
                                       parked=lambda: cal.parked(outputs))
         t_reverse, t0 = time.perf_counter() - t0, time.perf_counter()
-        trial.estimates = estimates
+        estimates = trial.estimates = sweep.estimates
         fast = sorted(with_codes, key=lambda i: (-estimates[i].estimated_dp, -estimates[i].rel_max_abs_d, i))
         alone: dict[int, float] = {}
         if cfg.exhaustive:  # the oracle: each layer alone compressed, its worst change over every record
@@ -443,7 +443,8 @@ def _search(cfg: PlanConfig, inp: _Inputs, budget: float, log) -> _Search:
         t_trials = time.perf_counter() - t0
     return _Search(estimates, alone_records, fast, ranking, alone, trial.done, chosen, met, proof,
                    {"forward": round(t_forward, 3), "measured": round(t_measured, 3), "reverse": round(t_reverse, 3),
-                    "trials": round(t_trials, 3)})
+                    "reverse_head": round(sweep.head_s, 3), "reverse_own": round(sweep.own_s, 3),
+                    "reverse_carry": round(sweep.carry_s, 3), "trials": round(t_trials, 3)})
 
 
 def plan_weights(cfg: PlanConfig, log=lambda m: None):
