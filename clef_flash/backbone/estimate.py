@@ -48,7 +48,7 @@ class Sweep:
     layers: the head's gradients once, the own errors with the compressed layers, the carry-back with
     the layers above the first)."""
 
-    estimates: dict[int, "LayerEstimate"]
+    estimates: dict[int, LayerEstimate]
     head_s: float = 0.0  # every option's gradient at the last layer's output
     own_s: float = 0.0  # each compressed layer run compressed: its own error and ``d``
     carry_s: float = 0.0  # the first-order changes and the gradients carried back
@@ -181,12 +181,13 @@ def forward_pass(ref, records: list[np.ndarray], outputs: LayerOutputs, calls: L
 def reverse_sweep(ref, records: list[np.ndarray], options, infos, scheme, compressed: list[str], scaled: bool,
                   outputs: LayerOutputs, calls: LayerCalls, layer_types: list[str], back_tick=lambda: None,
                   measured: dict[int, dict[int, np.ndarray]] | None = None, parked=nullcontext) -> Sweep:
-    """Each compressed layer's estimate (``Sweep.estimates``), after ``forward_pass`` kept every layer's output and what it
-    was passed. ``options(r, rows)`` is the head on record ``r``'s final rows (``[1, T, H]``, with
-    grad) -> every option's probability, a 1-D tensor a question. ``measured[r][i]``: record ``r``'s signed changes
-    with layer ``i`` alone compressed, measured end to end (``measured_alone``): taken as they are,
-    nothing carried back for ``r``. ``back_tick`` ticks per layer. ``parked()``: a block during
-    which what ``options`` reads may leave memory (the layers' sweep, after the first gradients)."""
+    """Each compressed layer's estimate (``Sweep.estimates``), after ``forward_pass`` kept every
+    layer's output and what it was passed. ``options(r, rows)`` is the head on record ``r``'s final
+    rows (``[1, T, H]``, with grad) -> every option's probability, a 1-D tensor a question.
+    ``measured[r][i]``: record ``r``'s signed changes with layer ``i`` alone compressed, measured end
+    to end (``measured_alone``): taken as they are, nothing carried back for ``r``. ``back_tick``
+    ticks per layer. ``parked()``: a block during which what ``options`` reads may leave memory
+    (the layers' sweep, after the first gradients)."""
     import time
 
     import torch
