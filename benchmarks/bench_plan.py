@@ -56,23 +56,17 @@ def _plan(release: Path, work: Path, tag: str, *extra: str) -> dict:
 def _projection(row: dict, slice_layers: int) -> float:
     """The 9B's plan from the slice's, each part by how it grows with the layers n -> L: the forward
     and each trial with L / n; the sweep's own errors (each compressed layer run compressed) with
-    L / n, its carrying with the layers above the first, (L - 1) / (n - 1), its head's gradients
-    not at all (a plan without the sweep's parts: the whole sweep with (L - 1) / (n - 1),
-    generous); the records measured end to end (the oracle's: every record), with each compressed
-    layer and those after it, L(L + 1) / n(n + 1). At 32 layers the default carries back the
-    records of at most 18 options that it measures at 4, so the default's 9B is at most the smaller
-    of the two projections."""
+    L / n, its carrying with the layers above the first, (L - 1) / (n - 1), the rest of it (the
+    head's gradients, parking the head) not at all; the records measured end to end (the oracle's:
+    every record), with each compressed layer and those after it, L(L + 1) / n(n + 1). At 32 layers
+    the default carries back the records of at most 18 options that it measures at 4, so the
+    default's 9B is at most the smaller of the two projections."""
     s = row["seconds"]
     n, big = slice_layers, LAYERS_9B
-    squared = big * (big + 1) / (n * (n + 1))
-    grow = {"forward": big / n, "measured": squared, "trials": big / n}
-    if "reverse_carry" in s:
-        grow |= {"reverse_own": big / n, "reverse_carry": (big - 1) / (n - 1)}
-        fixed = s["reverse"] - s["reverse_own"] - s["reverse_carry"]  # the head's gradients, parking it
-    else:
-        grow["reverse"], fixed = (big - 1) / (n - 1), 0.0
-    startup = s["total"] - sum(s.get(k, 0.0) for k in ("forward", "measured", "trials", "reverse"))
-    return round(startup + fixed + sum(s.get(k, 0.0) * g for k, g in grow.items()), 0)
+    grow = {"forward": big / n, "measured": big * (big + 1) / (n * (n + 1)), "trials": big / n,
+            "reverse_own": big / n, "reverse_carry": (big - 1) / (n - 1)}
+    fixed = s["total"] - sum(s[k] for k in ("forward", "measured", "trials", "reverse_own", "reverse_carry"))
+    return round(fixed + sum(s[k] * g for k, g in grow.items()), 0)
 
 
 def main() -> None:

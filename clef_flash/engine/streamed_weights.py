@@ -256,16 +256,13 @@ class TensorBlocks:
         self.folder = Path(folder)
         self.scheme = scheme
 
-    def _blocks(self, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
-        return fp32_blocks(self.folder, t, block_bytes)
-
     def _fp16_blocks(self, t: TensorInfo, k: int, block_bytes: int = _BLOCK_BYTES, ring: int = 1):
         """Row blocks of the shard -> fp16 (times 2**k): ``(r0, bytes)``, ``ring`` reused buffers in
         turn; a value beyond fp16's range is an error naming the tensor, never a silent inf."""
         import torch
 
         halves: list = []
-        for i, (r0, _r1, block) in enumerate(self._blocks(t, block_bytes)):
+        for i, (r0, _r1, block) in enumerate(fp32_blocks(self.folder, t, block_bytes)):
             if k:
                 block.mul_(2.0 ** k)  # exact: a power of two
             if block.numel():
@@ -520,7 +517,7 @@ class Fp16Weights(TensorBlocks):
                     bits = max(bits, pos, neg & 0x7FFF if neg >= 0x8000 else 0)
             top = float(np.array([bits << 16], dtype=np.uint32).view(np.float32)[0])
         else:
-            for _, _, block in self._blocks(t):
+            for _, _, block in fp32_blocks(self.folder, t):
                 if block.numel():
                     lo, hi = torch.aminmax(block)
                     top = max(top, float(hi), -float(lo))
