@@ -27,6 +27,13 @@ def check_files(bundle: Path, hashed: bool = True):
         if not f.is_file() or sha256_file(f) != want:
             raise IntegrityError(f"{f}: missing or its sha256 differs from the manifest's")
     checks = checks + [("tokenizer files = manifest", True, f"{plural(len(m.tokenizer), 'file')}")]
+    if m.export.weight_map is not None:  # the torch engine's way into main.mlirb (engine.weight_map)
+        from ..engine.weight_map import MAP_FILE
+
+        f = Path(bundle) / MAP_FILE
+        if not f.is_file() or sha256_file(f) != m.export.weight_map.sha256:
+            raise IntegrityError(f"{f}: missing or its sha256 differs from the manifest's")
+        checks.append(("weight map = manifest", True, f"{m.export.weight_map.bytes:,} bytes"))
     c = m.export.compression
     if c is not None and c.plan is not None and c.plan.shipped:  # fp16_layers = "auto": the build's own plan
         from .plan import check_shipped_plan

@@ -197,14 +197,22 @@ class DecoderChunk(torch.nn.Module):
         p3 = torch.where(self.on_h[None, :], h[:, None], torch.where(self.on_w[None, :], w[:, None], t[:, None]))
         return x, p3.float() * self.inv_freq[None, :]
 
-    def _decode(self, input_ids, position_ids, image, keyCache, valueCache, convState, recState):  # noqa: N803
-        cfg, S = self.cfg, self.ch.chunk
+    def prelude(self, input_ids, position_ids, image):
+        """What every layer of a chunk takes: the input rows ``[1, S, H]``, the chunk's positions
+        ``[1, S]``, the rotary cos and sin, the attention bias ``[S, ctx]`` (the torch engine runs
+        the layers over a whole record from these, ``executor``)."""
+        S = self.ch.chunk
         pos = position_ids[:, -S:]  # [1, S]
         x, freqs = self._embed_and_positions(input_ids, pos[0], image)  # [1, S, H], [S, rot/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         # query i sees key slot j when j <= its position
         bias = torch.where(self.slots[None, :] <= pos[0][:, None], 0.0, MASK_BIAS)  # [S, ctx]
+        return x, pos, cos, sin, bias
+
+    def _decode(self, input_ids, position_ids, image, keyCache, valueCache, convState, recState):  # noqa: N803
+        cfg = self.cfg
+        x, pos, cos, sin, bias = self.prelude(input_ids, position_ids, image)
         full_idx = {layer: n for n, layer in enumerate(cfg.full_layers)}
         lin_idx = {layer: n for n, layer in enumerate(cfg.linear_layers)}
         for i, kind in enumerate(cfg.layer_types):

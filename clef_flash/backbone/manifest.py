@@ -96,6 +96,8 @@ class BackboneExport(Strict):
     seconds: dict[str, float]
     tolerances: dict[str, dict[str, Any]]
     compression: Compression | None = None  # int8 / int4 weights
+    # engine.weight_map: each weight's blob in main.mlirb and the folded 1-D tensors (the torch engine's way in)
+    weight_map: FileDigest | None = None
 
 
 class BackboneManifest(Strict):

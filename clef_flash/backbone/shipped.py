@@ -9,7 +9,7 @@ import asyncio
 import os
 
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,6 +27,7 @@ RED = {"state": "state_reset"}
 
 @dataclass(frozen=True)
 class ShippedBackbone(OpenedBundle):  # manifest: BackboneManifest
+    ran_on: dict = field(default_factory=dict)  # "engine": what ran it last (executor.EngineInfo.describe)
 
     @property
     def compute(self) -> str:
@@ -80,11 +81,11 @@ def open_backbone(bundle: Path, release: Path, hidden_size: int, digests: dict[s
 
 
 def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | None = None,
-                images: Sequence[Any] | None = None) -> list[np.ndarray]:
+                images: Sequence[Any] | None = None, engine: str = "coreai", device: str = "auto") -> list[np.ndarray]:
     """Every record's hidden rows ``[T, hidden]`` (fp32), in the records' order (each record starts
     from zero states; several run at once). ``images``: per record a ``host.ImageSpan`` or None; an
     image's tokens go in as ids V + k and its rows as ``image_embeds`` (``red="image"``: its rows
-    zeroed, the red arm)."""
+    zeroed, the red arm). ``engine``: what runs the asset (``executor.choose_engine``)."""
     from .host import image_inputs, run_record
     from .runtime import runner
 
@@ -109,6 +110,14 @@ def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | N
     shapes = {n: tuple(int(x) for x in spec.shape) for n, spec in m.interface.states.items()}
     dtype = next(iter(m.interface.states.values())).dtype
     lang = m.language
+    from .executor import EngineInfo, choose_engine
+
+    choice = choose_engine(bb.bundle, m, engine, device)
+    if choice.engine == "torch":
+        if red in RED:
+            raise IntegrityError(f"--red {red} breaks the runtime's host loop: run it on the coreai engine")
+        return _torch_rows(bb, records, images, extra, sent, device)
+    bb.ran_on["engine"] = EngineInfo("coreai", "cpu", m.export.compute).describe()
 
     async def run_all() -> list[np.ndarray]:
         from ..progress import counting, progress
@@ -134,3 +143,18 @@ def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | N
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return run_async(run_all)
+
+
+def _torch_rows(bb: ShippedBackbone, records, images, extra, sent, device: str) -> list[np.ndarray]:
+    """The records through the torch engine (``executor``), one at a time, a layer at a time."""
+    from ..progress import progress
+    from .executor import open_torch_decoder
+
+    dec = open_torch_decoder(bb.bundle, bb.asset, bb.manifest, device, check_blobs=False)
+    bb.ran_on["engine"] = dec.info.describe()
+    layers = len(bb.manifest.language.layer_types)
+    out = []
+    with progress(f"backbone: {plural(len(records), 'record')} on {dec.info.describe()}", layers * len(records), "layers") as tick:
+        for ids, image in zip(records, images, strict=True):
+            out.append(dec.rows(sent(ids, image), extra(image), progress=lambda _i: tick()))
+    return out

@@ -15,7 +15,7 @@ from ..digest import sha256_file, tree_bytes
 from ..errors import IntegrityError, UsageError
 from ..formats import aimodel  # a backbone is a Core AI asset: the format's own names
 from ..formats.mlirb import Written
-from ..manifest import Compilation, TensorSpec, mlirb_digest, release_source
+from ..manifest import Compilation, FileDigest, TensorSpec, mlirb_digest, release_source
 from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
 from ..provenance import asset_description, build_date
 from ..backbone.contract import (
@@ -65,6 +65,7 @@ class Handoff:
 
     expected_digests: Any = None
     written: Written | None = None
+    report: Any = None  # asset_readback.WeightsReport: every weight located in main.mlirb (the weight map's source)
 
 
 def compiles(recipe) -> bool:
@@ -287,14 +288,14 @@ def export(p: BuildPlan, tmp: Path, log=lambda m: None) -> Made:
     try:
         timings = run_export_hashing(p, asset_dir, job, read_files(source), log)
         p.handoff = Handoff(expected_digests=side, written=Written.from_json(timings["written"]))
-        return _finish(p, tmp, asset_dir, timings)
+        return _finish(p, tmp, asset_dir, timings, log)
     except BaseException:
         if side is not None:
             side.stop()
         raise
 
 
-def _finish(p: BuildPlan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
+def _finish(p: BuildPlan, tmp: Path, asset_dir: Path, timings: dict, log=lambda m: None) -> Made:
     recipe, pins, source = p.cfg.recipe, p.pins, p.source
     text, chunking = p.found.text, p.found.chunking
     tok_dir = tmp / TOKENIZER_DIR
@@ -315,6 +316,7 @@ def _finish(p: BuildPlan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
     mlirb = asset_dir / "main.mlirb"
     seconds = export_seconds(timings)
     fp16 = int(timings["weight_fp16_bytes"])
+    weight_map = _weight_map(p, tmp, mlirb, outputs, log)
     manifest = BackboneManifest(
         metadata_version=METADATA_VERSION, kind=KIND, name=p.bundle.name, assets={"main": asset_dir.name},
         language=Language(prefill_chunk=recipe.chunk, max_context=recipe.context, vocab_size=text.vocab_size,
@@ -327,13 +329,33 @@ def _finish(p: BuildPlan, tmp: Path, asset_dir: Path, timings: dict) -> Made:
                               main_mlirb=mlirb_digest(asset_dir, outputs),
                               weight_fp16_bytes=fp16, mlirb_over_weights=round(mlirb.stat().st_size / max(fp16, 1), 6),
                               seconds=seconds, tolerances=tolerances(recipe.compute, recipe.weights),
-                              compression=compression_section(p, mlirb.stat().st_size)),
+                              compression=compression_section(p, mlirb.stat().st_size), weight_map=weight_map),
         compilation=Compilation(date=build_date(), targets=[]),
     )
     return made(p, tmp, manifest, outputs, text.hidden_size,
                 {"model": MODEL, "text_config": text.as_dict(), "seconds": seconds,
                  # tensors stored as W * 2**k (fp32 compute: no fp16 subnormal, see engine.streamed_weights)
                  "scaled_tensors": int(timings.get("scaled_tensors", 0))}, seconds)
+
+
+def _weight_map(p: BuildPlan, tmp: Path, mlirb: Path, outputs: dict[str, str], log=lambda m: None) -> FileDigest | None:
+    """Every weight located in the saved main.mlirb (the gate's streamed comparison, run here, its
+    report handed to the gate) and the weight map written from it (``engine.weight_map``: what the
+    torch engine reads the asset through). A weight in no blob: no map, and the gate names it."""
+    from ..engine.asset_readback import compare
+    from ..engine.streamed_weights import read_f32
+    from ..engine.weight_map import MAP_FILE, map_bytes
+
+    f, handoff = p.found, p.handoff or Handoff()
+    report = compare(mlirb, p.source, f.infos, scaled=p.cfg.recipe.compute == "fp32", log=log, scheme=f.scheme,
+                     compressed=f.compressed, release=handoff.expected_digests, written=handoff.written)
+    p.handoff = replace(handoff, report=report)
+    if not report.ok:
+        return None
+    folded = {n: read_f32(p.source, t) for n, t in f.infos.items() if len(t.shape) < 2}
+    atomic_write_bytes(tmp / MAP_FILE, map_bytes(report, folded))
+    outputs[MAP_FILE] = sha256_file(tmp / MAP_FILE)
+    return FileDigest(bytes=(tmp / MAP_FILE).stat().st_size, sha256=outputs[MAP_FILE])
 
 
 def gate(p: BuildPlan, tmp: Path, log=lambda m: None):
@@ -350,7 +372,7 @@ def gate(p: BuildPlan, tmp: Path, log=lambda m: None):
                                                     numeric_max_parameters=recipe.verify.numeric_max_parameters,
                                                     scratch=tmp, pins=p.pins, checked=p.files, text=p.found.text,
                                                     located=p.found.infos, expected_digests=side,
-                                                    written=handoff.written), log=log)
+                                                    written=handoff.written, weights_report=handoff.report), log=log)
     finally:
         if side is not None:
             side.stop()  # done already, or the gate failed before it compared the weights

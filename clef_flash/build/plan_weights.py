@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import IntegrityError, UsageError
+from ..devices import device_name, pick_device
 from ..progress import plural
 
 
@@ -53,52 +54,6 @@ class RowTable:
         return torch.from_numpy(self._as_f32(np.ascontiguousarray(rows).reshape(-1), self.t.dtype).reshape(len(idx), -1)).to(self.device)
 
 
-@dataclass(frozen=True)
-class Device:
-    """Where the plan's arithmetic runs: the torch device, its name for the plan file, and whether
-    the release's weights stay on it once read (they fit) or are streamed a layer at a time."""
-
-    torch_device: str
-    label: str
-    hold: bool
-
-
-def _device_name(name: str) -> str:
-    """``auto`` resolved (CUDA, then Apple's MPS, then the CPU); a device asked for by name that torch
-    does not see is refused (exit 2), before any work."""
-    import torch
-
-    if name not in ("auto", "cpu", "cuda", "mps"):
-        raise UsageError(f"--device must be auto, cpu, cuda or mps, got {name!r}")
-    cuda = torch.cuda.is_available()
-    mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
-    if name == "cuda" and not cuda:
-        raise UsageError(f"--device cuda: torch {torch.__version__} sees no CUDA device here (--device auto picks what there is)")
-    if name == "mps" and not mps:
-        raise UsageError(f"--device mps: torch {torch.__version__} sees no Apple MPS device here (--device auto picks what there is)")
-    return name if name != "auto" else ("cuda" if cuda else "mps" if mps else "cpu")
-
-
-def pick_device(name: str, fp32_bytes: int) -> Device:
-    """Where the plan runs, and whether the release's ``fp32_bytes`` stay there. fp32 throughout:
-    TF32 off, so every device computes what the CPU does up to rounding."""
-    import torch
-
-    chosen = _device_name(name)
-    if chosen == "cpu":
-        return Device("cpu", "cpu", hold=False)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
-    if chosen == "cuda":
-        free, _total = torch.cuda.mem_get_info()
-        label = f"cuda ({torch.cuda.get_device_name()})"
-    else:
-        free = int(torch.mps.recommended_max_memory()) - int(torch.mps.current_allocated_memory())
-        label = "mps"
-    return Device(chosen, label, hold=free > 1.5 * fp32_bytes)  # room for the activations, the dequantized layer, the head
-
-
 def _budget(cfg: PlanConfig) -> float:
     """Every option refused before any work; the budget (the recipe's unless given)."""
     recipe = cfg.recipe
@@ -119,7 +74,7 @@ def _budget(cfg: PlanConfig) -> float:
         raise UsageError("--records must be >= 1")
     if cfg.estimate not in ("auto", "first-order"):
         raise UsageError(f"--estimate must be auto or first-order, got {cfg.estimate!r}")
-    _device_name(cfg.device)
+    device_name(cfg.device)
     if not Path(cfg.release).is_dir():
         raise UsageError(f"{cfg.release}: release folder not found")
     return budget

@@ -36,6 +36,8 @@ class CheckConfig:
     dtype: str = "float32"
     red: str | None = None
     backbone: Path | None = None  # a backbone bundle of this release: its asset computes the hidden rows
+    engine: str = "auto"  # what runs the backbone asset (backbone.executor.choose_engine)
+    engine_device: str = "auto"  # the torch engine's device
     vision: Path | None = None  # a vision bundle of this release: its asset computes an image's rows
 
 
@@ -158,6 +160,11 @@ def _check_options(cfg: CheckConfig, release: Path, bundle: Path) -> None:
         raise UsageError("--red image zeroes the image's rows in the backbone's inputs: it needs --backbone and --vision")
     if cfg.vision is not None and cfg.backbone is None:
         raise UsageError("--vision feeds the tower's rows to the backbone asset: it needs --backbone")
+    from ..host.answer import check_engine_options
+
+    check_engine_options(cfg.engine, cfg.engine_device)
+    if cfg.red == "state" and cfg.engine == "torch":
+        raise UsageError("--red state resets the states of the runtime's host loop: run it with --engine coreai")
     if not release.is_dir():
         raise UsageError(f"{release}: release folder not found")
     _check_kinds(bundle, cfg.backbone, cfg.vision)  # a bundle passed in another's place: said at once, by name
@@ -318,7 +325,8 @@ def _hidden_rows(cfg: CheckConfig, side: _Shipped, ref_model, seen_by, prepared,
         spans, vision_seconds = vision_part.image_spans(side.vision, ref_model, seen_by, prepared, entries)
     if side.backbone is None:
         return [seen.hidden for _, seen, _, _ in seen_by], vision_seconds
-    return backbone_part.hidden_rows(side.backbone, cfg.red, seen_by, spans, entries), vision_seconds
+    engine = "coreai" if cfg.red == "state" else cfg.engine  # the state arm breaks the runtime's host loop
+    return backbone_part.hidden_rows(side.backbone, cfg.red, seen_by, spans, entries, engine, cfg.engine_device), vision_seconds
 
 
 def _summary(side: _Shipped, entries, t, seconds: dict[str, float]) -> dict[str, Any]:

@@ -41,12 +41,12 @@ def bar(backbone, head_bar: float, head_reason: str) -> tuple[float, str, float 
     return head_bar, f"{head_reason}; {bb['reason']}", bb["mean_abs_dp"]
 
 
-def hidden_rows(backbone, red: str | None, seen_by, spans, entries) -> list[Any]:
+def hidden_rows(backbone, red: str | None, seen_by, spans, entries, engine: str = "auto", device: str = "auto") -> list[Any]:
     """The backbone asset's hidden rows on the reference's token ids (an image's rows in ``spans``),
-    each entry given its distance from the reference's rows."""
+    each entry given its distance from the reference's rows; ``engine`` runs the asset."""
     from ..backbone.shipped import hidden_rows as run
 
-    hiddens = run(backbone, [seen.ids for _, seen, _, _ in seen_by], red=red, images=spans)
+    hiddens = run(backbone, [seen.ids for _, seen, _, _ in seen_by], red=red, images=spans, engine=engine, device=device)
     for (i, seen, _, _), h in zip(seen_by, hiddens, strict=True):
         entries[i]["backbone_rel_max_abs_d"] = float(np.abs(h - seen.hidden).max()
                                                      / max(float(np.abs(seen.hidden).max()), 1e-30))
@@ -60,4 +60,4 @@ def summary(backbone, entries, seconds: float) -> dict[str, Any] | None:
     bb_rel = [e["backbone_rel_max_abs_d"] for e in entries if "backbone_rel_max_abs_d" in e]
     return {"bundle": str(backbone.bundle), "compute": backbone.compute, "weights": backbone.manifest.export.weights,
             "asset_sha256": backbone.manifest.export.main_mlirb.sha256,
-            "hidden_rel_max_abs_d": max(bb_rel, default=0.0), "seconds": seconds}
+            "hidden_rel_max_abs_d": max(bb_rel, default=0.0), "seconds": seconds, "engine": backbone.ran_on.get("engine")}

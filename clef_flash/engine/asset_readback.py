@@ -47,6 +47,18 @@ class Found:
     scales: Blob
 
 
+@dataclass(frozen=True)
+class Located:
+    """Where one release tensor lies in ``main.mlirb``: its blob (fp16 or its fp32 fold) or, compressed,
+    its codes and scales blobs, each with its data's sha256 and the tensor's exponent (stored as W * 2**k)."""
+
+    name: str
+    shape: tuple[int, ...]
+    form: str  # "fp16", "fp32" or "codes"
+    exponent: int
+    blobs: tuple[tuple[Blob, str], ...]  # (blob, sha256): one, or codes then scales
+
+
 @dataclass
 class WeightsReport:
     tensors: int  # 2-D+ tensors compared
@@ -61,6 +73,7 @@ class WeightsReport:
     found: dict[str, Found] | None = None  # compressed tensors: their two blobs
     scheme: object = None
     file_sha256: str = ""  # of main.mlirb, from the same read (the gate checks it against the manifest)
+    located: dict[str, "Located"] | None = None  # every tensor found: its blob(s), their digests (``weight_map``)
 
     @property
     def ok(self) -> bool:
@@ -283,29 +296,28 @@ def compare(mlirb: Path, folder: Path, infos: dict[str, TensorInfo], scaled: boo
     by_digest: dict[str, Blob] = {}
     for b, d in have:
         by_digest.setdefault(d, b)
-    matched, missing, used, found = {}, [], set(), {}
+    matched, missing, used, found, located = {}, [], set(), {}, {}
     for e in wants:
         if e.codes is not None:
-            if e.codes in by_digest and e.scales in by_digest:
-                matched[e.name] = "codes"
-                found[e.name] = Found(e.name, e.shape, e.exponent, by_digest[e.codes], by_digest[e.scales])
-                used.update((by_digest[e.codes].name, by_digest[e.scales].name))
-            else:
-                missing.append(e.name)
-        elif e.fp16 in by_digest:
-            matched[e.name] = "fp16"
-            used.add(by_digest[e.fp16].name)
-        elif e.fp32 is not None and e.fp32 in by_digest:
-            matched[e.name] = "fp32"
-            used.add(by_digest[e.fp32].name)
+            digests_of = (e.codes, e.scales) if e.codes in by_digest and e.scales in by_digest else None
+            form = "codes"
         else:
+            form = "fp16" if e.fp16 in by_digest else "fp32" if e.fp32 is not None and e.fp32 in by_digest else None
+            digests_of = None if form is None else ((e.fp16,) if form == "fp16" else (e.fp32,))
+        if digests_of is None:
             missing.append(e.name)
+            continue
+        matched[e.name] = form
+        located[e.name] = Located(e.name, e.shape, form, e.exponent, tuple((by_digest[d], d) for d in digests_of))
+        used.update(by_digest[d].name for d in digests_of)
+        if form == "codes":
+            found[e.name] = Found(e.name, e.shape, e.exponent, by_digest[e.codes], by_digest[e.scales])
     other = [b for b, _ in have if b.name not in used]
     report = WeightsReport(tensors=len(big), matched=matched, missing=missing,
                            one_d=sum(1 for t in infos.values() if len(t.shape) < 2), blobs=len(have),
                            other_blobs=len(other), other_bytes=sum(b.size for b in other),
                            fp16_bytes=sum(int(np.prod(t.shape)) * 2 for t in big), seconds=time.perf_counter() - t0,
-                           found=found, scheme=scheme, file_sha256=file_sha256)
+                           found=found, scheme=scheme, file_sha256=file_sha256, located=located)
     # where the time went: main.mlirb's read (disk-bound once hashed once) or the release's side
     log(f"weights: {len(matched)}/{plural(len(big), 'tensor')} found in main.mlirb in {report.seconds:.1f} s "
         f"(main.mlirb read in {t_asset:.1f} s" + (", its blobs by the save's digests, the file hashed once" if written is not None else "")

@@ -34,6 +34,8 @@ class GateOptions:
     records: int | None = None
     recorded: Path | None = None
     red: bool = False
+    device: str | None = None  # a backbone's torch engine: auto | cpu | cuda | mps
+    spot_check: bool | None = None  # a backbone past the runtime's size: one chunk through the runtime (None: by compute)
 
 
 def model_named(name: str) -> ModuleType:
@@ -85,7 +87,8 @@ def pins_for(bundle: Path, manifest: Any, gate: ModuleType, source: Path | None,
 def verify(opts: GateOptions, log=lambda msg: None):
     """The bundle's own gate (exit 2 for an option its model does not take, before any work)."""
     gate = kind_of(opts.bundle)
-    for option, value in (("--records", opts.records), ("--recorded", opts.recorded)):
+    for option, value in (("--records", opts.records), ("--recorded", opts.recorded), ("--device", opts.device),
+                          ("--spot-check", opts.spot_check)):
         if value is not None and option not in gate.OPTIONS:
             raise UsageError(f"{option} is not an option for a {gate.MODEL} bundle ({opts.bundle}): its gate "
                              f"{gate.FIXED_RECORDS}")

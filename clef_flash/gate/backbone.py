@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -17,6 +17,7 @@ from ..errors import IntegrityError, UsageError
 from ..report import GateConfig
 from .rows import RowsReport, asset_facts_of, core_ai_schema, source_of  # noqa: F401 (source_of: gate.MODELS' entry)
 from ..backbone.bundle import check_files, descriptor_checks
+from ..backbone.executor import RUNTIME_MAX_PARAMETERS
 from ..formats.aimodel import check_files as check_asset
 from ..formats.mlirb import BytecodeError
 from ..interrupts import run_async
@@ -49,9 +50,22 @@ IMAGE_RED_ARMS = ("image_zeroed", "rc_swapped", "shift_dropped")
 # (the gate sees the layout it claims: blocks along the input axis, codes row-major)
 QUANT_RED_ARMS = ("scales_shifted", "codes_transposed")
 REPORTED = "quantization"  # the compressed asset against the uncompressed release: reported, not gated here
-# the numeric check runs on decoders up to this many parameters unless the recipe says otherwise: the
-# Linux CPU runtime's fp16 arithmetic takes over 16 minutes a chunk at real width (the recipes' values)
-NUMERIC_MAX_PARAMETERS = {"fp32": 2_000_000_000, "fp16": 50_000_000}
+# the numeric check runs through the runtime on decoders up to this many parameters unless the recipe says
+# otherwise (the Linux CPU runtime's fp16 arithmetic takes over 16 minutes a chunk at real width), past
+# them through the torch engine: the sizes where the runtime runs a chunk in seconds
+NUMERIC_MAX_PARAMETERS = RUNTIME_MAX_PARAMETERS
+
+
+# the torch engine (``backbone.executor``): its rows against the runtime's, held to the bars of the
+# asset's compute (fp32: accumulation order alone; fp16 compute run in fp32 on a CPU: the fp16 bound)
+ENGINE = "torch engine"
+# past numeric_max_parameters the numeric check runs through the torch engine, on this many seeded
+# records of this many tokens (at 9B on a 2-core CPU about 2-3 minutes a record a side), beside one
+# chunk through the runtime (the spot check) where its compute is fp32
+ENGINE_RECORDS, ENGINE_TOKENS = 2, 512
+# what one 64-token chunk costs the Linux CPU runtime per billion parameters (measured at 9B: about 3
+# minutes in fp32; over 38 minutes in fp16, where a chunk had not returned): the spot check's estimate
+RUNTIME_SECONDS_PER_CHUNK_PER_B = {"fp32": 180 / 7.94, "fp16": 38 * 60 / 7.94}
 
 
 # compressed weights: the bars above hold the asset against the reference on the asset's own
@@ -82,6 +96,9 @@ class BackboneVerifyConfig(GateConfig):
     located: dict[str, Any] | None = None  # the build's plan: every weight located in the shards
     expected_digests: Any = None  # the build's: asset_readback.ExpectedDigests started beside the export
     written: Any = None  # the build's: mlirb.Written, what its save hashed (main.mlirb then read with one hash)
+    weights_report: Any = None  # the build's: asset_readback.WeightsReport, the comparison already run (weight map)
+    device: str = "auto"  # where the torch engine runs (devices.pick_device)
+    spot_check: bool | None = None  # past numeric_max_parameters: one chunk through the runtime (None: where fp32 compute)
 
 
 @dataclass
@@ -97,9 +114,12 @@ class RecordResult:
 @dataclass
 class BackboneReport(RowsReport):
     weights: str = "fp16"
+    engines: list[str] = field(default_factory=list)  # what computed the rows besides the runtime
+    by_engine: bool = False  # the main rows are the torch engine's (a decoder past the runtime's size)
 
     TOLERANCES: ClassVar = TOLERANCES
     REPORTED_ARMS: ClassVar = (REPORTED,)
+    GATED_ARMS: ClassVar = (ENGINE,)
 
     def _main_label(self, r: RecordResult) -> str:
         return f"record {r.name} ({plural(r.tokens, 'token')})"
@@ -117,6 +137,10 @@ class BackboneReport(RowsReport):
                 out.append(([f"{r.name} (vs the uncompressed release)", str(r.tokens), str(r.calls),
                              f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], "report"))
                 continue
+            if r.arm == ENGINE:
+                out.append(([f"{r.name} (torch engine vs the runtime)", str(r.tokens), str(r.calls),
+                             f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], self.verdict(r)))
+                continue
             out.append(([r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", str(r.tokens), str(r.calls),
                          f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], self.verdict(r)))
         return out
@@ -124,18 +148,21 @@ class BackboneReport(RowsReport):
     def lines(self) -> list[str]:
         red = self.red_results()
         out = ["red arms run: " + ", ".join(f"{r.arm} on {r.name} ({r.rel_max_abs_d:.2g})" for r in red)] if red else []
+        out.extend(self.engines)
         q = self.quantization()
         if q:
-            out.append(f"(a) the runtime: rows vs torch eager on the asset's own dequantized weights, the bars above; "
+            who = "the torch engine" if self.by_engine else "the runtime"
+            out.append(f"(a) {who}: rows vs torch eager on the asset's own dequantized weights, the bars above; "
                        f"(b) the quantization: rows vs the uncompressed release, rel max |d| {q['rel_max_abs_d']:.3g}, "
                        f"min row cosine {q['min_row_cosine']:.6f} (reported; check-release --backbone gates it end to end)")
         return out
 
     def quantization(self) -> dict[str, float] | None:
-        q = [r for r in self.results if r.arm == REPORTED]
-        if not q:
-            return None
-        return {"rel_max_abs_d": max(r.rel_max_abs_d for r in q), "min_row_cosine": min(r.min_row_cosine for r in q)}
+        return _worst([r for r in self.results if r.arm == REPORTED])
+
+    def engine(self) -> dict[str, float] | None:
+        """The torch engine against the runtime, worst over the records."""
+        return _worst([r for r in self.results if r.arm == ENGINE])
 
     def headline(self) -> str:
         main = self.main_results()
@@ -144,10 +171,12 @@ class BackboneReport(RowsReport):
         worst = max(r.rel_max_abs_d for r in main)
         red = self.red_results()
         q = self.quantization()
-        return (f"{plural(len(main), 'record')}, rel max |d| {worst:.2e} (bar {self.bars()['rel_max_abs_d']:g}); red arms "
-                + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red)
+        e = self.engine()
+        return (f"{plural(len(main), 'record')}, rel max |d| {worst:.2e} (bar {self.bars()['rel_max_abs_d']:g}); "
+                + ("red arms " + ", ".join(f"{r.arm} {r.rel_max_abs_d:.2g}" for r in red) if red else "no red arms at this size")
                 + (f"; quantization vs the release: rel max |d| {q['rel_max_abs_d']:.3g}, min cosine {q['min_row_cosine']:.5f}"
-                   if q else ""))
+                   if q else "")
+                + (f"; torch engine vs the runtime: rel max |d| {e['rel_max_abs_d']:.2e}" if e else ""))
 
     def summary(self) -> dict[str, Any]:
         main = self.main_results()
@@ -156,9 +185,15 @@ class BackboneReport(RowsReport):
                                      "min_row_cosine": r.min_row_cosine} for r in main},
                 "red": {r.arm: r.rel_max_abs_d for r in self.red_results()},
                 "red_records": {r.arm: r.name for r in self.red_results()},
-                "weights": self.weights, "quantization": self.quantization(),
+                "weights": self.weights, "quantization": self.quantization(), "engine": self.engine(), "engines": self.engines,
                 "bars": self.bars(),
                 "checks": {n: ok for n, ok, _ in self.checks}, "failures": self.failures, "notes": self.notes}
+
+
+def _worst(rs: list) -> dict[str, float] | None:
+    if not rs:
+        return None
+    return {"rel_max_abs_d": max(r.rel_max_abs_d for r in rs), "min_row_cosine": min(r.min_row_cosine for r in rs)}
 
 
 def record_lengths(chunk: int, context: int, long_record: int | None) -> dict[str, int]:
@@ -330,27 +365,31 @@ def _references(cfg: BackboneVerifyConfig, asset: Path, source: Path, records, i
     return refs, wants
 
 
+def _record_inputs(m, text, records, images, name: str, arm: str = "main"):
+    """What the host sends for one record: the ids (an image's tokens as V + k) and the image inputs
+    (None for a text-only decoder), a host red arm applied where ``arm`` is one."""
+    from ..backbone import host
+
+    vision = m.interface.vision
+    ids = host.image_ids(records[name], images[name], text.vocab_size) if name in images else records[name]
+    if vision is None:
+        return ids, None
+    dtype = np.float32 if m.export.compute == "fp32" else np.float16
+    return ids, host.image_inputs(vision.image_rows, text.hidden_size, dtype, images.get(name),
+                                  arm if arm in host.IMAGE_RED_ARMS else None)
+
+
 def _asset_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, images, red_on):
     """The asset run chunk by chunk on every record, and on each red arm's: [(record, arm, rows, seconds)]."""
     from ..backbone import host
     from ..backbone.runtime import runner
     from ..progress import counting, progress
 
-    compute, vision = m.export.compute, m.interface.vision
+    compute = m.export.compute
     chunk, context = m.language.prefill_chunk, m.language.max_context
     state_dtype = "fp32" if compute == "fp32" else "fp16"
     plan = [(name, arm) for name in records
             for arm in ["main"] + [a for a in RED_ARMS + host.IMAGE_RED_ARMS if red_on.get(a) == name]]
-    dtype = np.float32 if compute == "fp32" else np.float16
-
-    def extra(name: str, arm: str):
-        if vision is None:
-            return None
-        return host.image_inputs(vision.image_rows, text.hidden_size, dtype, images.get(name),
-                                 arm if arm in host.IMAGE_RED_ARMS else None)
-
-    def sent(name: str):
-        return host.image_ids(records[name], images[name], text.vocab_size) if name in images else records[name]
 
     async def run_all():
         out = []
@@ -362,8 +401,9 @@ def _asset_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, images
                 counted = counting(call, tick)
                 for name, arm in plan:
                     t0 = time.perf_counter()
-                    got = await host.run_record(counted, new_states, sent(name), chunk, context, text.pad_token_id,
-                                                arm if arm in RED_ARMS else None, extra(name, arm))
+                    ids, extra = _record_inputs(m, text, records, images, name, arm)
+                    got = await host.run_record(counted, new_states, ids, chunk, context, text.pad_token_id,
+                                                arm if arm in RED_ARMS else None, extra)
                     out.append((name, arm, got, time.perf_counter() - t0))
         return out
 
@@ -372,24 +412,105 @@ def _asset_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, images
         return run_async(run_all)
 
 
-def _numeric(cfg: BackboneVerifyConfig, m, asset: Path, text, source: Path, scheme, found, log) -> list[RecordResult]:
-    """The asset's rows against the reference's, record by record (and the red arms against the main run)."""
-    from ..backbone import host
+def _engine_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, images, log,
+                 said: list[str]) -> dict[str, tuple[np.ndarray, float]]:
+    """The torch engine (``backbone.executor``) on every record: name -> (rows, seconds). Its weights are
+    the ones the comparison above just found blob by blob, so their digests are not taken again."""
+    from ..backbone.executor import open_torch_decoder
+    from ..backbone.contract import chunks_for
+    from ..progress import progress
 
+    engine = open_torch_decoder(cfg.bundle, asset, m, cfg.device, check_blobs=False, log=log)
+    said.append(f"torch engine: {engine.info.describe()}")
+    out = {}
+    layers = len(text.layer_types)
+    with progress(f"gate: torch engine ({engine.info.describe()})", layers * len(records), "layers") as tick:
+        for name in records:
+            t0 = time.perf_counter()
+            ids, extra = _record_inputs(m, text, records, images, name)
+            out[name] = (engine.rows(ids, extra, progress=lambda _i: tick()), time.perf_counter() - t0)
+            log(f"{name} ({plural(len(records[name]), 'token')}, {plural(chunks_for(len(records[name]), m.language.prefill_chunk), 'chunk')}): "
+                f"torch engine {out[name][1]:.1f} s")
+    return out
+
+
+def _result(name: str, tokens: int, chunk: int, arm: str, got: np.ndarray, want: np.ndarray) -> RecordResult:
+    from ..backbone.contract import chunks_for
+
+    rel, cos = _compare(got, want)
+    return RecordResult(name=name, tokens=tokens, calls=chunks_for(tokens, chunk), rel_max_abs_d=rel, min_row_cosine=cos, arm=arm)
+
+
+def _log_result(log, r: RecordResult, secs: float | None = None) -> None:
+    label = {"main": "", REPORTED: " vs the uncompressed release", ENGINE: " torch engine vs the runtime"}.get(r.arm, " red " + r.arm)
+    log(f"{r.name} ({plural(r.tokens, 'token')}){label}: rel max |d| {r.rel_max_abs_d:.2e}, "
+        f"min row cosine {r.min_row_cosine:.7f}" + (f" ({secs:.1f} s)" if secs is not None else ""))
+
+
+def _numeric(cfg: BackboneVerifyConfig, m, asset: Path, text, source: Path, scheme, found, log,
+             said: list[str]) -> list[RecordResult]:
+    """The asset's rows against the reference's, record by record (and the red arms against the main run);
+    then the torch engine's rows against the asset's (where the bundle has its weight map)."""
     chunk = m.language.prefill_chunk
     records, images, red_on = _records(cfg, m, text, source)
     refs, wants = _references(cfg, asset, source, records, images, red_on, scheme, found)
     results: list[RecordResult] = []
+    runtime_rows: dict[str, np.ndarray] = {}
     for name, arm, got, secs in _asset_runs(cfg, m, asset, text, records, images, red_on):
         # the asset's main rows against every reference of this record; a host red arm against the main one
         against = [arm] if arm != "main" else [a for a, (_, names) in refs.items() if name in names]
+        if arm == "main":
+            runtime_rows[name] = got
         for ref_arm in against:
-            rel, cos = _compare(got, wants[("main" if arm != "main" else ref_arm, name)])
-            results.append(RecordResult(name=name, tokens=len(records[name]), calls=host.chunks_for(len(records[name]), chunk),
-                                        rel_max_abs_d=rel, min_row_cosine=cos, arm=ref_arm))
-            label = "" if ref_arm == "main" else (" vs the uncompressed release" if ref_arm == REPORTED else " red " + ref_arm)
-            log(f"{name} ({plural(len(records[name]), 'token')}){label}: rel max |d| {rel:.2e}, "
-                f"min row cosine {cos:.7f}" + (f" ({secs:.1f} s)" if ref_arm == "main" or arm != "main" else ""))
+            r = _result(name, len(records[name]), chunk, ref_arm, got, wants[("main" if arm != "main" else ref_arm, name)])
+            results.append(r)
+            _log_result(log, r, secs if ref_arm == "main" or arm != "main" else None)
+    if m.export.weight_map is not None:
+        for name, (rows, secs) in _engine_runs(cfg, m, asset, text, records, images, log, said).items():
+            r = _result(name, len(records[name]), chunk, ENGINE, rows, runtime_rows[name])
+            results.append(r)
+            _log_result(log, r)
+    return results
+
+
+def _engine_numeric(cfg: BackboneVerifyConfig, m, asset: Path, text, source: Path, scheme, found, log,
+                    notes: list[str], said: list[str]) -> list[RecordResult]:
+    """A decoder too large for the runtime's numeric check: ``ENGINE_RECORDS`` seeded records through
+    the torch engine against the reference (compressed: on the asset's own dequantized weights, the
+    bars; and the uncompressed release, reported), and one chunk of the first through the runtime
+    against the engine (the spot check) where it is affordable (``spot_check``)."""
+    from dataclasses import replace
+
+    from ..backbone.contract import weight_names
+
+    chunk, context = m.language.prefill_chunk, m.language.max_context
+    tokens = min(ENGINE_TOKENS, context)
+    rng = np.random.default_rng([cfg.seed, 61])
+    records = {f"record-{k + 1}": rng.integers(0, text.vocab_size, size=tokens) for k in range(ENGINE_RECORDS)}
+    _refs, wants = _references(replace(cfg, red=False), asset, source, records, {}, {}, scheme, found)
+    results: list[RecordResult] = []
+    engine_rows = _engine_runs(cfg, m, asset, text, records, {}, log, said)
+    for (arm, name), want in wants.items():
+        r = _result(name, tokens, chunk, arm, engine_rows[name][0], want)
+        results.append(r)
+        _log_result(log, r)
+    params = sum(int(np.prod(shape)) for shape in weight_names(text).values())
+    compute = m.export.compute
+    cost = RUNTIME_SECONDS_PER_CHUNK_PER_B[compute] * params / 1e9
+    spot = cfg.spot_check if cfg.spot_check is not None else compute == "fp32"
+    said.append(f"numeric check through the torch engine: {params:,} parameters exceed numeric_max_parameters for the "
+                f"runtime; the red arms run at the sizes the runtime checks")
+    if not spot:
+        notes.append(f"runtime spot check not run: one {chunk}-token chunk in {compute} compute on the Linux CPU runtime "
+                     f"would take about {cost / 60:.0f} minutes here (verify --spot-check runs it)")
+        return results
+    first = next(iter(records))
+    spot_records = {f"{first}, chunk 1": records[first][:chunk]}
+    log(f"runtime spot check: one chunk through the Core AI runtime (about {cost / 60:.1f} minutes at this size)")
+    for name, _arm, got, secs in _asset_runs(cfg, m, asset, text, spot_records, {}, {}):
+        r = _result(name, len(spot_records[name]), chunk, ENGINE, engine_rows[first][0][:chunk], got)
+        results.append(r)
+        _log_result(log, r, secs)
     return results
 
 
@@ -420,8 +541,9 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
         # the runtime's own descriptor where it loads the asset anyway; else the bytecode's (no compiled copy)
         checks.extend(descriptor_checks(asset, m, compiled=numeric))
         if comparing:
-            weights = compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log, scheme=scheme,
-                              compressed=compressed, release=cfg.expected_digests, written=cfg.written)
+            weights = cfg.weights_report or compare(asset / "main.mlirb", source, infos, scaled=compute == "fp32", log=log,
+                                                    scheme=scheme, compressed=compressed, release=cfg.expected_digests,
+                                                    written=cfg.written)
     except (IntegrityError, BytecodeError):
         if one_read:  # a main.mlirb that is not the manifest's is named as that, before what it broke
             check_asset(m, asset)
@@ -440,23 +562,30 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
     else:
         notes.append("the streamed weight comparison was not run")
     results: list[RecordResult] = []
-    if not numeric and not unreadable:
+    said: list[str] = []  # which engine computed the rows, and how (the transcript's "engines", the report's lines)
+    by_engine = not numeric and not unreadable and m.export.weight_map is not None and comparing and weights.ok
+    if by_engine:  # too large for the runtime's numeric check: through the torch engine, the runtime spot-checked
+        results = _engine_numeric(cfg, m, asset, text, source, scheme, found, log, notes, said)
+    elif not numeric and not unreadable:
         notes.append(f"numeric check not run: {params:,} parameters exceed numeric_max_parameters "
                      f"({limit:,}); fp{'16' if compute == 'fp16' else '32'} compute on the Linux CPU "
-                     f"runtime is too slow at this size")
+                     f"runtime is too slow at this size, and "
+                     + ("the bundle has no weight map for the torch engine (build it again)" if m.export.weight_map is None
+                        else "the weights were not all found for the torch engine"))
     elif numeric:
-        results = _numeric(cfg, m, asset, text, source, scheme, found, log)
+        results = _numeric(cfg, m, asset, text, source, scheme, found, log, said)
     transcript = {"bundle": str(cfg.bundle), "compute": compute, "weights": m.export.weights,
                   "source": {"hf_id": pins.hf_id, "revision": pins.revision},
                   "bars": tolerances(compute, m.export.weights), "seed": cfg.seed, "checks": [{"check": n, "ok": ok, "detail": d} for n, ok, d in checks],
                   "records": [r.__dict__ for r in results],
                   "arms_run": [{"record": r.name, "arm": r.arm} for r in results],  # every arm, the red ones named
-                  "notes": notes, "versions": tool_versions(),
+                  "notes": notes, "engines": said, "versions": tool_versions(),
                   "seconds": time.perf_counter() - t_start}
     owed = (RED_ARMS + (QUANT_RED_ARMS if scheme is not None else ())
-            + (IMAGE_RED_ARMS if m.interface.vision is not None else ())) if cfg.red else ()
+            + (IMAGE_RED_ARMS if m.interface.vision is not None else ())) if cfg.red and not by_engine else ()
     report = BackboneReport(bundle=Path(cfg.bundle), compute=compute, results=results, checks=checks, transcript=transcript,
-                            notes=notes, red_arms=owed, weights=m.export.weights)
+                            notes=notes, red_arms=owed, weights=m.export.weights, engines=said,
+                            by_engine=by_engine)
     transcript["ok"], transcript["failures"] = report.ok, report.failures
     return report
 
@@ -465,7 +594,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
 
 KIND = "decision-backbone"
 MODEL = "backbone"
-OPTIONS = ("--red", "--seed")  # --red: the backbone's red arms always run
+OPTIONS = ("--red", "--seed", "--device", "--spot-check")  # --red: the backbone's red arms always run
 FIXED_RECORDS = "runs fixed record lengths (1, S - 1, S, S + 1, three chunks, near the context)"
 
 
@@ -474,8 +603,12 @@ def manifest_of(bundle: Path):
 
 
 def run(opts, manifest, pins_path: Path, log=lambda msg: None) -> BackboneReport:
+    from ..devices import device_name
+
+    device_name(opts.device or "auto")  # a device the machine lacks: exit 2 before any work
     return verify_backbone(BackboneVerifyConfig(bundle=opts.bundle, source=opts.source, pins_path=pins_path,
-                                                seed=opts.seed), log=log)
+                                                seed=opts.seed, device=opts.device or "auto",
+                                                spot_check=opts.spot_check), log=log)
 
 
 def inspect(bundle: Path) -> dict[str, Any]:

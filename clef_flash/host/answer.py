@@ -20,6 +20,8 @@ class AnswerConfig:
     out: Path | None = None
     overwrite: bool = False
     cache: Path | None = None  # where a published release is downloaded (default: the Hub's cache)
+    engine: str = "auto"  # the decoder's engine (backbone.executor.choose_engine)
+    device: str = "auto"  # the torch engine's device
 
 
 @dataclass
@@ -28,6 +30,19 @@ class AnswerResult:
     failed: list[str] = field(default_factory=list)  # "file:line: field: why"
     seconds: dict[str, float] = field(default_factory=dict)  # per stage, summed over the requests
     requests: int = 0
+    engine: str = ""  # what ran the decoder (backbone.executor.EngineInfo.describe)
+
+
+def check_engine_options(engine: str, device: str) -> None:
+    """``--engine`` and ``--device`` refused before any work where they cannot be (exit 2)."""
+    from ..backbone.executor import ENGINES
+
+    if engine not in ENGINES:
+        raise UsageError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if engine != "coreai" and (engine == "torch" or device != "auto"):
+        from ..devices import device_name
+
+        device_name(device)
 
 
 def read_lines(path: Path) -> list[tuple[int, Any]]:
@@ -65,6 +80,7 @@ def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, lo
     from .model import STAGES, ClefHost
     from .requests import RequestError
 
+    check_engine_options(cfg.engine, cfg.device)
     if cfg.out is not None:
         check_output_path(Path(cfg.out), cfg.overwrite)
     bodies = read_lines(cfg.requests)
@@ -74,7 +90,9 @@ def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, lo
     async def run() -> None:
         from ..progress import progress
 
-        async with ClefHost(dist) as host:
+        async with ClefHost(dist, cfg.engine, cfg.device) as host:
+            log(f"decoder: {host.engine.describe()} ({host.choice.why})")
+            result.engine = host.engine.describe()
             with progress("answering", len(bodies), "requests") as tick:
                 for n, body in bodies:
                     refuse_if_interrupted()  # Ctrl-C: no request starts after it
@@ -102,11 +120,14 @@ def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, lo
     return result
 
 
-def check_release_vectors(dist_spec: str, cache: Path | None = None, log=lambda msg: None):
-    """``answer --vectors``: this host against the release's ``host/host-vectors.jsonl``, step by step."""
+def check_release_vectors(dist_spec: str, cache: Path | None = None, log=lambda msg: None, engine: str = "auto",
+                          device: str = "auto"):
+    """``answer --vectors``: this host (its decoder on ``engine``) against the release's
+    ``host/host-vectors.jsonl``, step by step."""
     from ..layout import HOST_DIR, VECTORS_FILE
     from .dist import open_dist
     from .vectors import check_vectors
 
+    check_engine_options(engine, device)
     dist = open_dist(dist_spec, cache, log)
-    return check_vectors(dist, dist.root / HOST_DIR / VECTORS_FILE, log)
+    return check_vectors(dist, dist.root / HOST_DIR / VECTORS_FILE, log, engine)

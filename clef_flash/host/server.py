@@ -32,6 +32,8 @@ class ServeConfig:
     queue: int = 64  # requests waiting for the model past which the server answers 503
     max_body: int = MAX_BODY
     cache: Any = None
+    engine: str = "auto"  # the decoder's engine (backbone.executor.choose_engine)
+    device: str = "auto"  # the torch engine's device
 
 
 def check_bind(cfg: ServeConfig) -> None:
@@ -137,7 +139,7 @@ class Service:
         from starlette.responses import JSONResponse
 
         return JSONResponse({"status": "ready", "bundles": self.dist.digests(), "waiting": self.waiting,
-                             "answered": self.answered})
+                             "answered": self.answered, "engine": self.host.engine.describe()})
 
 
 def app(service_box: dict[str, Any], log):
@@ -165,8 +167,9 @@ def app(service_box: dict[str, Any], log):
         from .model import ClefHost
 
         cfg = service_box["config"]
-        async with ClefHost(service_box["dist"]) as host:
+        async with ClefHost(service_box["dist"], cfg.engine, cfg.device) as host:
             service_box["service"] = Service(cfg, service_box["dist"], host, log)
+            log(f"decoder: {host.engine.describe()} ({host.choice.why})")
             log(f"ready: http://{cfg.host}:{cfg.port}/health")
             yield
 
@@ -183,6 +186,9 @@ def serve(cfg: ServeConfig, log=lambda msg: None) -> dict[str, Any]:
 
     from .dist import open_dist
 
+    from .answer import check_engine_options
+
+    check_engine_options(cfg.engine, cfg.device)
     check_bind(cfg)
     sock = _bound(cfg)  # a port in use is said now, before the release is hashed and loaded
     dist = open_dist(cfg.dist, cfg.cache, log)

@@ -99,18 +99,21 @@ def vector(body: dict[str, Any], answered) -> dict[str, Any]:
     return out
 
 
-async def _answer_all(dist, bodies: list[dict[str, Any]]):
+async def _answer_all(dist, bodies: list[dict[str, Any]], engine: str = "auto", log=lambda msg: None):
+    """Every body answered, its steps kept; and what ran the decoder (``EngineInfo.describe``)."""
     from .model import ClefHost
 
-    async with ClefHost(dist) as host:
-        return [await host.answer(b, keep=True) for b in bodies]
+    async with ClefHost(dist, engine) as host:
+        log(f"host vectors: the decoder on {host.engine.describe()} ({host.choice.why})")
+        return [await host.answer(b, keep=True) for b in bodies], host.engine.describe()
 
 
-def header(dist) -> dict[str, Any]:
+def header(dist, engine: str) -> dict[str, Any]:
     m = dist.head[0]
     return {"kind": "clef-host-vectors", "version": VERSION, "release": {"hf_id": m.head.source.hf_id,
             "revision": m.head.source.revision}, "bundles": dist.digests(), "tolerances": TOLERANCES,
-            "exact": "ids, spans, option ids, the image's grid and patches, the head's inputs " + ", ".join(EXACT_INPUTS)}
+            "exact": "ids, spans, option ids, the image's grid and patches, the head's inputs " + ", ".join(EXACT_INPUTS),
+            "engine": engine}
 
 
 def write_vectors(dist, path: Path, log=lambda msg: None) -> int:
@@ -121,8 +124,8 @@ def write_vectors(dist, path: Path, log=lambda msg: None) -> int:
     images = dist.vision is not None and dist.backbone.manifest.interface.vision is not None
     bodies = requests(images)
     log(f"host vectors: {len(bodies)} requests through the shipped assets")
-    answered = run_async(lambda: _answer_all(dist, bodies))
-    lines = [header(dist)] + [vector(b, a) for b, a in zip(bodies, answered, strict=True)]
+    answered, engine = run_async(lambda: _answer_all(dist, bodies, log=log))
+    lines = [header(dist, engine)] + [vector(b, a) for b, a in zip(bodies, answered, strict=True)]
     atomic_write_bytes(path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines).encode("utf-8"))
     return len(bodies)
 
@@ -171,8 +174,8 @@ def compare(want: dict[str, Any], got: dict[str, Any], tol: dict[str, Any]) -> l
     return out
 
 
-def check_vectors(dist, path: Path, log=lambda msg: None) -> list[Step]:
-    """Every vector of ``path`` run through this host and compared step by step."""
+def check_vectors(dist, path: Path, log=lambda msg: None, engine: str = "auto") -> list[Step]:
+    """Every vector of ``path`` run through this host (its decoder on ``engine``) and compared step by step."""
     from ..errors import IntegrityError
     from ..interrupts import run_async
 
@@ -186,7 +189,7 @@ def check_vectors(dist, path: Path, log=lambda msg: None) -> list[Step]:
         raise IntegrityError(f"{path}: not a version {VERSION} clef-host-vectors file")
     head, vectors = lines[0], lines[1:]
     log(f"host vectors: {len(vectors)} requests, step by step")
-    answered = run_async(lambda: _answer_all(dist, [v["request"] for v in vectors]))
+    answered, engine = run_async(lambda: _answer_all(dist, [v["request"] for v in vectors], engine, log))
     steps: list[Step] = []
     for want, a in zip(vectors, answered, strict=True):
         steps += compare(want, json.loads(json.dumps(vector(want["request"], a))), head["tolerances"])
