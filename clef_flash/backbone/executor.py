@@ -50,8 +50,10 @@ class EngineChoice:
 
 def choose_engine(bundle: Path, manifest, engine: str = "auto", device: str = "auto") -> EngineChoice:
     """The engine a backbone asset runs on: as asked (``--engine``), or by what is fast where this runs
-    (``auto``): the Core AI runtime on a Mac and for decoders it runs in seconds; the torch engine on a
-    GPU or past ``RUNTIME_MAX_PARAMETERS``. Refused before any work (exit 2) where it cannot run."""
+    (``auto``): the Core AI runtime on a Mac and for decoders it runs a chunk of in seconds (no torch
+    imported: the host path needs none); the torch engine past ``RUNTIME_MAX_PARAMETERS`` or where a
+    ``device`` is named. Refused before any work (exit 2) where it cannot run."""
+    import importlib.util
     import sys
 
     from ..errors import UsageError
@@ -62,18 +64,17 @@ def choose_engine(bundle: Path, manifest, engine: str = "auto", device: str = "a
     if engine == "coreai":
         return EngineChoice("coreai", "asked for")
     has_map = manifest.export.weight_map is not None
-    try:
-        import torch  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("torch") is None:
         if engine == "torch":
-            raise UsageError("--engine torch: torch is not installed here (pip install torch)") from None
+            raise UsageError("--engine torch: torch is not installed here (pip install torch)")
         return EngineChoice("coreai", "torch is not installed here")
-    from ..devices import device_name
+    if engine == "torch" and not has_map:
+        raise UsageError(f"--engine torch: {bundle} has no weight map (built before the torch engine); build it again")
+    if engine == "torch" or device != "auto":
+        from ..devices import device_name
 
-    where = device_name(device)  # a device the machine lacks: exit 2, before any work
+        device_name(device)  # a device the machine lacks: exit 2, before any work
     if engine == "torch":
-        if not has_map:
-            raise UsageError(f"--engine torch: {bundle} has no weight map (built before the torch engine); build it again")
         return EngineChoice("torch", "asked for")
     if sys.platform == "darwin":
         return EngineChoice("coreai", "the Core AI runtime is this Mac's own")
@@ -81,10 +82,10 @@ def choose_engine(bundle: Path, manifest, engine: str = "auto", device: str = "a
         return EngineChoice("coreai", f"{Path(bundle).name} has no weight map for the torch engine")
     params = sum(int(np.prod(shape)) for shape in weight_names(text_of(manifest)[0]).values())
     compute = manifest.export.compute
-    if where != "cpu":
-        return EngineChoice("torch", f"a {where} device is here")
     if params > RUNTIME_MAX_PARAMETERS[compute]:
         return EngineChoice("torch", f"{params:,} parameters in {compute} compute: the Linux CPU runtime takes minutes a chunk")
+    if device != "auto":
+        return EngineChoice("torch", f"--device {device} named")
     return EngineChoice("coreai", f"{params:,} parameters: the Linux CPU runtime runs a chunk in seconds")
 
 
