@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup finetune-env build test test-fast verify bench bench-plan bench-serve bench-backbone bench-identity bench-9b bench-slice-int8 bench-vision vision crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
+.PHONY: setup finetune-env build test test-fast verify bench bench-plan bench-serve bench-backbone bench-identity bench-9b bench-9b-run bench-slice-int8 bench-vision vision crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -150,6 +150,12 @@ bench-identity: setup $(SLICE)/pins.json
 # free disk and 20 minutes. Not part of `make test` or `make bench`.
 bench-9b: setup $(SLICE)/pins.json
 	$(BIN)/python benchmarks/bench_9b.py --slice $(SLICE)
+
+# the synthetic 9B proven and answering (issue 61): `release` of the head and the int8 decoder (its gate's
+# numeric check through the torch engine), `answer` of a 1,000-token request, `serve`'s start-up and one
+# request, each watched (wall, peak memory): benchmarks/results/9b-run-latest.json; about 80 GB of disk
+bench-9b-run: setup
+	$(BIN)/python benchmarks/bench_9b_run.py
 
 # the int8w32 asset of the real-width slice through gate (a) (the runtime against torch eager on its
 # own dequantized weights) and (b) (the quantization against the release), and plan-weights at the

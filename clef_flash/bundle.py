@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import IntegrityError, OutputError, UsageError
-from .interrupts import check_interrupted
+from .interrupts import check_interrupted, removed_at_a_forced_stop
 
 _TMP_TAG = ".tmp-"
 _OLD_TAG = ".old-"
@@ -220,6 +220,7 @@ def staged_dir(final: Path, overwrite: bool) -> Iterator[Path]:
     remove_stale(final)
     tmp = final.with_name(f".{final.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
     tmp.mkdir(parents=True)
+    removed_at_a_forced_stop(tmp)
     try:
         yield tmp
         fsync_tree(tmp)
@@ -239,6 +240,8 @@ def staged_dir(final: Path, overwrite: bool) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        removed_at_a_forced_stop(tmp, keep=False)
 
 
 

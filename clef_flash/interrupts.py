@@ -58,10 +58,44 @@ def _interrupt() -> Interrupt:
     return Interrupt()
 
 
+# A signal while runtime calls are in flight waits for them to return (the runtime aborts the process
+# when interrupted inside a call); one call lasts minutes at 9B on the Linux CPU runtime. Past this
+# grace the command stops anyway: its folders in progress removed, exit 130, nothing landed.
+STOP_GRACE_S = 3.0
+_in_progress: set[str] = set()  # folders a forced stop removes: staged bundles, the runtime's compiled copies
+_stopping = threading.Event()
+
+
+def removed_at_a_forced_stop(folder, keep: bool = True) -> None:
+    """``folder`` is work in progress (``keep``) or no longer (``keep=False``): a forced stop removes it."""
+    (_in_progress.add if keep else _in_progress.discard)(str(folder))
+
+
+def _stop_after_grace() -> None:
+    """Exit 130 once ``STOP_GRACE_S`` has passed with the runtime's calls still in flight (a thread:
+    the main one is inside them). ``os._exit``: no teardown of a runtime that is mid-call."""
+    import shutil
+    import sys
+
+    time.sleep(STOP_GRACE_S)
+    if not _deferring[0]:
+        return  # the calls returned: the command unwinds as usual
+    try:
+        sys.stderr.write("interrupted: nothing was written (a runtime call in flight was stopped)\n")
+        sys.stderr.flush()
+    finally:
+        for folder in sorted(_in_progress):
+            shutil.rmtree(folder, ignore_errors=True)
+        os._exit(130)
+
+
 def _on_signal(signum, frame) -> None:
     _flag.set()
     if _deferring[0]:
-        return  # the runtime's calls return first; run_async raises it when they have
+        if not _stopping.is_set():  # the runtime's calls return first, or the grace runs out
+            _stopping.set()
+            threading.Thread(target=_stop_after_grace, name="clef-stop", daemon=True).start()
+        return  # run_async raises it when they have returned
     if _in_import(frame):
         if not _redelivering.is_set():
             _redelivering.set()
@@ -117,6 +151,7 @@ def clear() -> None:
     """Forget a signal (tests that send one in-process)."""
     _flag.clear()
     _raised.clear()
+    _stopping.clear()
 
 
 def run_async(make: Callable[[], Awaitable[T]]) -> T:

@@ -38,11 +38,11 @@ def progress(desc: str, total: int, unit: str = "", *, terminal: bool | None = N
     if terminal if terminal is not None else _terminal():
         from rich.console import Console
         from rich.markup import escape
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         console = Console(file=out, force_terminal=True)
         with Progress(TextColumn("[dim]·[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), console=console, transient=True) as bar:
+                      TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
             task = bar.add_task(escape(label), total=total)
 
             def tick(n: int = 1) -> None:
@@ -61,7 +61,8 @@ def progress(desc: str, total: int, unit: str = "", *, terminal: bool | None = N
             now = time.perf_counter()
             if now - last[0] >= PLAIN_EVERY_S and done[0] < total:
                 last[0] = now
-                print(f"{PLAIN_MARK}{label}: {done[0]}/{total} ({now - t0:.0f} s)", file=out, flush=True)
+                left = (now - t0) / max(done[0], 1) * (total - done[0])  # at the pace so far
+                print(f"{PLAIN_MARK}{label}: {done[0]}/{total} ({now - t0:.0f} s, about {left:.0f} s left)", file=out, flush=True)
 
     yield tick
     print(f"{PLAIN_MARK}{label}: {done[0]}/{total} in {time.perf_counter() - t0:.1f} s", file=out, flush=True)

@@ -53,11 +53,15 @@ def owned_folder(parent: Path | None = None, label: str = "") -> Path:
 @contextlib.contextmanager
 def owned_tempdir(parent: Path | None = None):
     """A folder of this process's own as ``tempfile``'s default for the block; removed at its end."""
+    from .interrupts import removed_at_a_forced_stop
+
     folder = owned_folder(parent)
     before = tempfile.tempdir
     tempfile.tempdir = str(folder)
+    removed_at_a_forced_stop(folder)  # the runtime's compiled copy: gone with a stop that cannot wait for it
     try:
         yield folder
     finally:
         tempfile.tempdir = before
         shutil.rmtree(folder, ignore_errors=True)
+        removed_at_a_forced_stop(folder, keep=False)

@@ -99,14 +99,14 @@ def test_a_drifted_engine_fails_the_gate(engine_bundles, tmp_path, monkeypatch, 
     from clef_flash.engine import weight_map
 
     if drift == "weight":
-        real = weight_map.ShippedWeights.array
+        real = weight_map.ShippedWeights.tensor
 
-        def array(self, name):
-            a = np.array(real(self, name))
+        def tensor(self, name):
+            a = real(self, name).clone()
             if name.endswith("layers.0.mlp.down_proj.weight"):
                 a[0] *= 2
             return a
-        monkeypatch.setattr(weight_map.ShippedWeights, "array", array)
+        monkeypatch.setattr(weight_map.ShippedWeights, "tensor", tensor)
     else:
         real = graph.DecoderChunk.prelude
         monkeypatch.setattr(graph.DecoderChunk, "prelude",  # one position late (kept inside the context)
@@ -148,8 +148,8 @@ def test_past_the_runtimes_size_the_gate_proves_numbers_through_the_engine(engin
     # a gate that cannot fail proves nothing: an engine reading a weight wrongly fails it at this size too
     from clef_flash.engine import weight_map
 
-    real = weight_map.ShippedWeights.array
-    monkeypatch.setattr(weight_map.ShippedWeights, "array",
+    real = weight_map.ShippedWeights.tensor
+    monkeypatch.setattr(weight_map.ShippedWeights, "tensor",
                         lambda self, name: real(self, name) * (1.5 if name.endswith("layers.1.mlp.up_proj.weight") else 1))
     res, t = _verify(engine_bundles["int8w32"], engine_bundles["release"], tmp_path)
     assert res.exit_code == 4 and "record-1" in t["failures"][0], res.output[-2000:]
@@ -308,3 +308,37 @@ def test_serve_on_the_torch_engine_says_so_and_answers_as_answer(engine_bundles)
     finally:
         code, log = s.stop()
     assert code == 0 and "decoder: torch on cpu" in log, log[-2000:]
+
+
+# ---------------------------------------------------------------- a stop is prompt
+
+
+def test_a_stop_during_a_runtime_call_that_does_not_return_is_prompt(tmp_path):
+    """Ctrl-C or SIGTERM while a runtime call is in flight (one lasts minutes at 9B and cannot be
+    interrupted): the command waits ``STOP_GRACE_S`` for it, then exits 130 with one line and its
+    folders in progress removed, not after the call."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from clef_flash.interrupts import STOP_GRACE_S
+
+    script = (
+        "import asyncio, sys, time\nfrom pathlib import Path\nfrom clef_flash import interrupts\n"
+        "interrupts.install()\nfolder = Path(sys.argv[1]); folder.mkdir()\n"
+        "interrupts.removed_at_a_forced_stop(folder)\n"
+        "async def call():\n    print('in flight', flush=True)\n    await asyncio.to_thread(time.sleep, 120)\n"
+        "try:\n    interrupts.run_async(call)\nexcept interrupts.Interrupt:\n    sys.exit(130)\nprint('returned')\n")
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        folder = tmp_path / f"staged-{int(sig)}"
+        p = subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline().strip() == "in flight"
+        t0 = time.monotonic()
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+        took = time.monotonic() - t0
+        assert p.returncode == 130 and "returned" not in out, (p.returncode, out, err)
+        assert "interrupted: nothing was written" in err and len(err.strip().splitlines()) == 1, err
+        assert STOP_GRACE_S - 0.5 <= took <= STOP_GRACE_S + 5, took
+        assert not folder.exists()

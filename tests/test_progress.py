@@ -16,7 +16,7 @@ def test_plain_lines_when_not_a_terminal(monkeypatch):
         for _ in range(4):
             tick()
     lines = out.getvalue().splitlines()
-    assert lines[:3] == ["· gate: t512 (calls): 1/4 (0 s)", "· gate: t512 (calls): 2/4 (0 s)", "· gate: t512 (calls): 3/4 (0 s)"]
+    assert lines[:3] == [f"· gate: t512 (calls): {k}/4 (0 s, about 0 s left)" for k in (1, 2, 3)]
     assert lines[3].startswith("· gate: t512 (calls): 4/4 in ") and len(lines) == 4
     assert "\x1b[" not in out.getvalue()
 
@@ -39,3 +39,16 @@ def test_a_terminal_gets_a_rich_bar_and_one_summary_line():
     text = out.getvalue()
     assert "\x1b[" in text, "a terminal bar draws with escape codes"
     assert "backbone: 3 records (calls): 6/6 in" in text
+
+
+def test_plain_lines_estimate_what_is_left_at_the_pace_so_far(monkeypatch):
+    """Long work is never silent: each line says how long the rest will take at the pace so far."""
+    out = io.StringIO()
+    clock = iter(float(t) for t in range(0, 1000, 10))  # 10 s a step
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
+    with progress("engine", 4, "layers", terminal=False, file=out) as tick:
+        for _ in range(4):
+            tick()
+    lines = out.getvalue().splitlines()
+    assert lines[:3] == ["· engine (layers): 1/4 (10 s, about 30 s left)", "· engine (layers): 2/4 (20 s, about 20 s left)",
+                         "· engine (layers): 3/4 (30 s, about 10 s left)"]

@@ -88,6 +88,12 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, author_code):
     assert (work / "check.json").is_file() and json.loads((work / "check.json").read_text())["summary"]["ok"]
     answers = [json.loads(x) for x in (work / "answers.jsonl").read_text().splitlines()]
     assert [a["id"] for a in answers] == ["refund", "route", "triage"] and all("answers" in a for a in answers)
+    on_torch = [json.loads(x) for x in (work / "answers-torch.jsonl").read_text().splitlines()]
+    for a, b in zip(answers, on_torch, strict=True):  # the torch engine: the same answers to the 4 digits shown
+        assert a["usage"] == b["usage"] and {q: v.get("choice") for q, v in a["answers"].items()} == \
+            {q: v.get("choice") for q, v in b["answers"].items()}
+        assert all(abs(v[k] - b["answers"][q][k]) <= 1e-4 + 1e-12 for q, v in a["answers"].items()
+                   for k in ("noul", "score", "confidence") if k in v)
 
 
 def test_the_readme_states_no_unchecked_counts():

@@ -157,7 +157,7 @@ class TorchDecoder:
                 if w.name in self._held:
                     out[w.name] = self._held[w.name]
                     continue
-                t = torch.from_numpy(self.weights.array(w.name)).to(self.device.torch_device).to(self.dtype)
+                t = self.weights.tensor(w.name).to(self.device.torch_device).to(self.dtype)
                 out[w.name] = t
                 if self.device.hold:
                     self._held[w.name] = t

@@ -106,6 +106,22 @@ class ShippedWeights:
             return dequantize(codes, scales, scheme)
         return self._raw(w.blobs[0]).view(np.float16 if w.form == "fp16" else np.float32).reshape(shape)
 
+    def tensor(self, name: str):
+        """``array(name)`` as a torch tensor (sharing the mapping where it is a view); a compressed
+        tensor dequantized by torch (``quantize.dequantize_torch``: the same bits, vectorised)."""
+        import torch
+
+        from .quantize import Scheme, codes_from_bytes, dequantize_torch
+
+        w = self.by_name[name]
+        if w.form != "codes":
+            return torch.from_numpy(self.array(name))
+        scheme = Scheme(int(self.map.bits), int(self.map.block))
+        shape = tuple(w.shape)
+        codes = torch.from_numpy(np.ascontiguousarray(codes_from_bytes(self._raw(w.blobs[0]), shape, scheme)))
+        scales = torch.from_numpy(self._raw(w.blobs[1]).view(np.float16).reshape(scheme.scale_shape(shape)))
+        return dequantize_torch(codes, scales, scheme)
+
     def close(self) -> None:
         self._file = None  # the mapping goes when the last view does
 
