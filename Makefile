@@ -153,9 +153,10 @@ bench-9b: setup $(SLICE)/pins.json
 
 # the synthetic 9B proven and answering (issue 61): `release` of the head and the int8 decoder (its gate's
 # numeric check through the torch engine), `answer` of a 1,000-token request, `serve`'s start-up and one
-# request, each watched (wall, peak memory): benchmarks/results/9b-run-latest.json; about 80 GB of disk
-bench-9b-run: setup
-	$(BIN)/python benchmarks/bench_9b_run.py
+# request, each watched (wall, peak memory); first the torch engine against the runtime on the real-width
+# slice: benchmarks/results/9b-run-latest.json; about 80 GB of disk
+bench-9b-run: setup $(SLICE)/pins.json
+	$(BIN)/python benchmarks/bench_9b_run.py --slice $(SLICE)
 
 # the int8w32 asset of the real-width slice through gate (a) (the runtime against torch eager on its
 # own dequantized weights) and (b) (the quantization against the release), and plan-weights at the

@@ -90,15 +90,59 @@ def serve_once(dist: Path, body: dict, work: Path) -> dict:
     return out
 
 
+SLICE_SCRIPT = """
+import json, sys, time
+import numpy as np
+from pathlib import Path
+from clef_flash.backbone.shipped import hidden_rows, read_backbone
+bundle = Path(sys.argv[1])
+m = json.loads((bundle / "metadata.json").read_text())
+bb = read_backbone(bundle, m["language"]["hidden_size"])
+rng = np.random.default_rng(0)
+records = [rng.integers(0, m["language"]["vocab_size"], size=n) for n in (65, 150)]
+out = {}
+for engine in ("torch", "coreai"):
+    t0 = time.perf_counter()
+    out[engine] = hidden_rows(bb, records, engine=engine)
+    out[engine + "_s"] = round(time.perf_counter() - t0, 1)
+rel = [float(np.abs(a - b).max() / np.abs(b).max()) for a, b in zip(out["torch"], out["coreai"])]
+cos = [float(((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).min()) for a, b in zip(out["torch"], out["coreai"])]
+print(json.dumps({"tokens": [65, 150], "rel_max_abs_d": rel, "min_row_cosine": cos, "torch_s": out["torch_s"], "coreai_s": out["coreai_s"]}))
+"""
+
+
+def slice_check(slice_release: Path, work: Path) -> dict:
+    """The int8w32 decoder of the real-width 4-layer slice: the torch engine against the runtime on two
+    records (65 and 150 tokens), the held-to-the-runtime figure at real width."""
+    out = work / "slice"
+    b = watched([str(EXE), "build", str(ROOT / "conversion" / "backbone_pf64_int8w32.toml"), "--source", str(slice_release),
+                 "--out", str(out), "--overwrite", "--no-verify", "--json"], work / "slice-build")
+    if b["rc"] != 0:
+        return {"build": b}
+    bundle = out / json.loads(b["stdout"])["name"]
+    w = watched([sys.executable, "-c", SLICE_SCRIPT, str(bundle)], work / "slice-engine")
+    return {"build_s": b["wall"], "engine_vs_runtime": json.loads(w["stdout"].strip().splitlines()[-1]) if w["rc"] == 0 else None,
+            "rc": w["rc"], "peak_anon_shmem_mib": w["peak_anon_shmem_mib"], "stderr_tail": w["stderr_tail"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--release", type=Path, default=ROOT / ".cache" / "synth-9b")
     ap.add_argument("--work", type=Path, default=ROOT / "build" / "bench-9b-run")
     ap.add_argument("--tokens", type=int, default=1000)
+    ap.add_argument("--slice", type=Path, help="the pinned real-width slice: the engine against the runtime there first")
+    ap.add_argument("--only-slice", action="store_true")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
     result: dict = {"machine": {"cpus": __import__("os").cpu_count()}}
     failures: list[str] = []
+    if a.slice is not None:
+        print("slice: the torch engine against the runtime at real width", file=sys.stderr)
+        result["slice"] = slice_check(a.slice, a.work)
+        print(f"  {result['slice'].get('engine_vs_runtime')}", file=sys.stderr)
+        if a.only_slice:
+            finish(result, "9b-run-slice-latest.json", [] if result["slice"].get("rc") == 0 else ["slice check failed"])
+            return
     if not (a.release / "pins.json").is_file():
         author = ROOT / ".cache" / "author" / "joint_schema_model.py"
         result["synth"] = watched([str(EXE), "synth-release", str(a.release), "--size", "9b", "--seed", "0",

@@ -158,7 +158,7 @@ def test_past_the_runtimes_size_the_gate_proves_numbers_through_the_engine(engin
 # ---------------------------------------------------------------- bad input
 
 
-def test_a_changed_weight_map_or_blob_is_refused_before_any_arithmetic(engine_bundles, tmp_path):
+def test_a_changed_weight_map_or_blob_is_refused_before_any_arithmetic(engine_bundles, tmp_path, monkeypatch):
     """The map's sha256 is the manifest's (exit 3, the file named); a blob whose bytes are not the map's
     is named with its tensor; a bundle built before the map is told to build again (exit 2 for
     --engine torch), and the gate says why it ran no engine rows."""
@@ -227,6 +227,12 @@ def test_a_changed_weight_map_or_blob_is_refused_before_any_arithmetic(engine_bu
     with pytest.raises(UsageError, match="no weight map"):
         choose_engine(old, m3, "torch")
     assert choose_engine(old, m3, "auto").engine == "coreai"
+    from clef_flash.backbone import executor
+
+    monkeypatch.setitem(executor.RUNTIME_MAX_PARAMETERS, "fp32", 0)
+    res, t = _verify(old, engine_bundles["release"], tmp_path)
+    assert res.exit_code == 0 and not t["records"], res.output[-2000:]
+    assert "numeric check not run" in t["notes"][0] and "no weight map for the torch engine (build it again)" in t["notes"][0]
 
 
 def test_engine_and_device_options_are_refused_before_work(engine_bundles, tmp_path):

@@ -237,7 +237,7 @@ def test_verify_of_a_backbone_prints_its_checklist_on_stdout(two_chunk, release,
     assert res.exit_code == 0, res.output
     assert "(red: state_reset)" in res.stdout and "verified" in res.stdout
     t = json.loads((tmp_path / "t.json").read_text())
-    assert {a["arm"] for a in t["arms_run"]} == {"main", "state_reset", "positions_late"}
+    assert {a["arm"] for a in t["arms_run"]} == {"main", "state_reset", "positions_late", "torch engine"}
 
 
 def test_inspect_shows_a_backbone_and_writes_to_stdout(two_chunk, head_bundle, tmp_path):

@@ -117,8 +117,11 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> BuildPlan
     fp16 = scratch_bytes(infos)
     implied = asset_bytes(infos, scheme, compressed)  # "auto": every layer compressed until the plan chooses
     parameters = sum(math.prod(t.shape) for t in infos.values())
-    numeric = bool(cfg.verify and recipe.verify.enabled and parameters <= recipe.verify.numeric_max_parameters)
-    what = "the backbone build (main.mlirb and the numeric gate's compiled fp32 copy)" if numeric else \
+    gated = bool(cfg.verify and recipe.verify.enabled)
+    # the runtime loads the asset (its compiled fp32 copy on disk) for the numeric check, and past
+    # numeric_max_parameters for the spot check where the asset computes in fp32 (gate.backbone)
+    numeric = gated and (parameters <= recipe.verify.numeric_max_parameters or recipe.compute == "fp32")
+    what = "the backbone build (main.mlirb and the runtime's compiled fp32 copy)" if numeric else \
         "the backbone build (main.mlirb)"
     # "auto": the plan may keep any layers fp16, so the space for the largest main.mlirb (all fp16)
     check_free_space(final.parent, disk_need(asset_bytes(infos) if auto else implied, numeric, fp16), what)
