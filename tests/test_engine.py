@@ -258,12 +258,17 @@ def test_answer_and_check_release_on_either_engine_agree(engine_bundles, tmp_pat
     """The same requests through the runtime and through the torch engine: every answer within 1e-4
     (both rounded to 4 digits); the engine is said on stderr and in check-release's transcript; the
     host vectors pass on the torch engine; auto takes the torch engine past the runtime's size."""
+    from clef_flash import progress
+
+    monkeypatch.setattr(progress, "PLAIN_EVERY_S", 0.0)  # every progress line (a 9B request takes minutes)
     reqs = ROOT / "conversion" / "requests-answer.jsonl"
     got = {}
     for engine in ("coreai", "torch"):
         res = runner.invoke(app, ["answer", str(engine_bundles["dist"]), "--requests", str(reqs), "--engine", engine])
         assert res.exit_code == 0, res.output[-2000:]
         assert f"decoder: {engine} on cpu" in res.output
+        # on the torch engine a request's decoder says how far it is, with an estimate of what is left
+        assert ("request on line 1: decoder layer 1/4 (" in res.output and "s left)" in res.output) == (engine == "torch")
         got[engine] = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
     assert len(got["torch"]) == len(got["coreai"]) >= 3
     for a, b in zip(got["coreai"], got["torch"], strict=True):

@@ -117,8 +117,11 @@ class TorchDecoder:
         import torch
 
         from ..devices import pick_device
+        from ..engine.streamed_weights import freed_memory_given_back
         from .graph import DecoderChunk, ImageDecoderChunk
 
+        # a layer's widened weights (hundreds of MB at 9B) freed back to the OS, not kept in glibc's heap
+        freed_memory_given_back()
         self.manifest, self.weights = manifest, weights
         self.cfg, self.ch = text_of(manifest)
         big = [w for w in weights.map.weights if len(w.shape) >= 2]
@@ -132,7 +135,7 @@ class TorchDecoder:
             self.compute, note = "fp32", "the asset computes in fp16; on a CPU torch runs it in fp32"
         self.info = EngineInfo("torch", self.device.label, self.compute, note)
         self.dtype = torch.float32 if self.compute == "fp32" else torch.float16
-        # every matrix a placeholder: each layer's are set from main.mlirb when it runs (``_load``)
+        # every matrix a placeholder: each layer's are set from main.mlirb when it runs (``_layer_weights``)
         placeholders = {w.name: torch.empty((0, 0), dtype=torch.float16) for w in big}
         placeholders.update({n: torch.from_numpy(np.array(a, np.float32)) for n, a in weights.folded.items()})
         cls = ImageDecoderChunk if self.ch.image_rows else DecoderChunk

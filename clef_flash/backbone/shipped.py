@@ -154,7 +154,8 @@ def _torch_rows(bb: ShippedBackbone, records, images, extra, sent, device: str) 
     bb.ran_on["engine"] = dec.info.describe()
     layers = len(bb.manifest.language.layer_types)
     out = []
-    with progress(f"backbone: {plural(len(records), 'record')} on {dec.info.describe()}", layers * len(records), "layers") as tick:
+    with progress(f"backbone: {plural(len(records), 'record')}, torch engine on {dec.info.device}", layers * len(records),
+                  "layers") as tick:
         for ids, image in zip(records, images, strict=True):
             out.append(dec.rows(sent(ids, image), extra(image), progress=lambda _i: tick()))
     return out

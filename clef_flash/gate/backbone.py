@@ -424,7 +424,7 @@ def _engine_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, image
     said.append(f"torch engine: {engine.info.describe()}")
     out = {}
     layers = len(text.layer_types)
-    with progress(f"gate: torch engine ({engine.info.describe()})", layers * len(records), "layers") as tick:
+    with progress(f"gate: torch engine on {engine.info.device}", layers * len(records), "layers") as tick:
         for name in records:
             t0 = time.perf_counter()
             ids, extra = _record_inputs(m, text, records, images, name)

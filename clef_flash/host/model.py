@@ -10,7 +10,7 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -140,9 +140,11 @@ class ClefHost:
                                f"{bb.interface.vision.image_rows} image rows", 422)
         return PreparedImage(file=Path(image.source), patches=patches, grid=grid, bucket=bucket)
 
-    async def answer(self, body: Any, base: Path | None = None, keep: bool = False) -> Answered:
+    async def answer(self, body: Any, base: Path | None = None, keep: bool = False,
+                     on_layer: Callable[[int, int], None] | None = None) -> Answered:
         """One request answered (``RequestError`` before any asset runs when it cannot be);
-        ``keep``: each step's arrays kept in ``steps``."""
+        ``keep``: each step's arrays kept in ``steps``; ``on_layer(done, layers)`` after each decoder
+        layer on the torch engine (a 9B request takes minutes on a CPU: its progress)."""
         from ..backbone.host import ImageSpan, image_ids, image_inputs, run_record
         from ..head.host import answers, head_inputs, question_probs
 
@@ -166,7 +168,9 @@ class ClefHost:
         if self._torch is not None:  # off the event loop: a server keeps answering /health meanwhile
             import asyncio
 
-            hidden = await asyncio.to_thread(self._torch.rows, sent, extra)
+            layers = len(lang.layer_types)
+            tick = (lambda i: on_layer(i + 1, layers)) if on_layer is not None else None
+            hidden = await asyncio.to_thread(self._torch.rows, sent, extra, tick)
         else:
             hidden = await run_record(self._decoder, self._new_states, sent, lang.prefill_chunk, lang.max_context,
                                       lang.pad_token_id, None, extra)
