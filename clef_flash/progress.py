@@ -68,6 +68,21 @@ def progress(desc: str, total: int, unit: str = "", *, terminal: bool | None = N
     print(f"{PLAIN_MARK}{label}: {done[0]}/{total} in {time.perf_counter() - t0:.1f} s", file=out, flush=True)
 
 
+def slow_progress(what: str, log, every: float | None = None) -> Callable[[int, int], None]:
+    """``step(done, total)`` for one piece of work that may take minutes (a 9B request's decoder layers
+    on a CPU): a line every ``PLAIN_EVERY_S`` with what is left at the pace so far, none for work that
+    ends sooner (one request of a tiny release: no line)."""
+    t0 = time.perf_counter()
+    last = [t0]
+
+    def step(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - last[0] >= (PLAIN_EVERY_S if every is None else every) and done < total:
+            last[0] = now
+            log(f"{what}: decoder layer {done}/{total} ({now - t0:.0f} s, about {(now - t0) / done * (total - done):.0f} s left)")
+    return step
+
+
 def counting(call: Callable[..., Awaitable[T]], tick: Callable[[int], None]) -> Callable[..., Awaitable[T]]:
     """The async ``call`` wrapped to ``tick()`` once each call completes (asset calls, chunk calls);
     after Ctrl-C it refuses to start another (``interrupts``)."""

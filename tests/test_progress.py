@@ -52,3 +52,15 @@ def test_plain_lines_estimate_what_is_left_at_the_pace_so_far(monkeypatch):
     lines = out.getvalue().splitlines()
     assert lines[:3] == ["· engine (layers): 1/4 (10 s, about 30 s left)", "· engine (layers): 2/4 (20 s, about 20 s left)",
                          "· engine (layers): 3/4 (30 s, about 10 s left)"]
+
+
+def test_slow_progress_speaks_only_for_slow_work(monkeypatch):
+    """A request's decoder on the torch engine: a line with an estimate every PLAIN_EVERY_S, none for
+    work that ends sooner (a tiny release's request says nothing)."""
+    clock = iter(float(t) for t in (0, 5, 11, 12, 30))
+    monkeypatch.setattr(progress_mod.time, "perf_counter", lambda: next(clock))
+    lines: list[str] = []
+    step = progress_mod.slow_progress("request on line 2", lines.append)  # t0 = 0
+    for done in (1, 2, 3, 4):  # at 5 s, 11 s, 12 s, 30 s
+        step(done, 4)
+    assert lines == ["request on line 2: decoder layer 2/4 (11 s, about 11 s left)"]

@@ -347,5 +347,7 @@ def dequantized(mlirb: Path, f: Found, scheme, red: str | None = None) -> np.nda
         scales = np.roll(scales, 1, axis=1)
     elif red == "codes_transposed":
         codes = np.ascontiguousarray(codes.T).reshape(f.shape)
-    w = dequantize(codes, scales, scheme).astype(np.float32)
-    return w * np.float32(2.0 ** -f.exponent) if f.exponent else w
+    w = dequantize(codes, scales, scheme).astype(np.float32)  # its fp32 products gone before this copy
+    if f.exponent:  # in place: a 9B matrix's fp32 copy is 200 MB, the gate's peak (docs/performance.md)
+        np.multiply(w, np.float32(2.0 ** -f.exponent), out=w)
+    return w

@@ -33,24 +33,6 @@ class AnswerResult:
     engine: str = ""  # what ran the decoder (backbone.executor.EngineInfo.describe)
 
 
-def slow_progress(n: int, log, every: float | None = None) -> Callable[[int, int], None]:
-    """``on_layer`` for one request: a line every ``PLAIN_EVERY_S`` with what is left at the pace so far,
-    silent for a request that takes less (a 1,000-token request at 9B takes minutes on a CPU)."""
-    from ..progress import PLAIN_EVERY_S
-
-    t0 = time.perf_counter()
-    last = [t0]
-    every = PLAIN_EVERY_S if every is None else every
-
-    def on_layer(done: int, total: int) -> None:
-        now = time.perf_counter()
-        if now - last[0] >= every and done < total:
-            last[0] = now
-            log(f"request on line {n}: decoder layer {done}/{total} ({now - t0:.0f} s, about "
-                f"{(now - t0) / done * (total - done):.0f} s left)")
-    return on_layer
-
-
 def check_engine_options(engine: str, device: str) -> None:
     """``--engine`` and ``--device`` refused before any work where they cannot be (exit 2)."""
     from ..backbone.executor import ENGINES
@@ -94,6 +76,7 @@ def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, lo
     """Every request answered in order; ``emit`` gets each line as it is made (stdout)."""
     from ..bundle import atomic_write_bytes, check_output_path
     from ..interrupts import refuse_if_interrupted, run_async
+    from ..progress import slow_progress
     from .dist import open_dist
     from .model import STAGES, ClefHost
     from .requests import RequestError
@@ -117,7 +100,7 @@ def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, lo
                     try:
                         if isinstance(body, ValueError):
                             raise RequestError("body", str(body))
-                        answered = await host.answer(body, Path(cfg.requests).parent, on_layer=slow_progress(n, log))
+                        answered = await host.answer(body, Path(cfg.requests).parent, on_layer=slow_progress(f"request on line {n}", log))
                         line = json.dumps({"line": n, **({"id": body["id"]} if "id" in body else {}), **answered.response},
                                           ensure_ascii=False)
                         for s in STAGES:

@@ -105,10 +105,10 @@ async def _answer_all(dist, bodies: list[dict[str, Any]], engine: str = "auto", 
 
     async with ClefHost(dist, engine) as host:
         log(f"host vectors: the decoder on {host.engine.describe()} ({host.choice.why})")
-        from .answer import slow_progress
+        from ..progress import slow_progress
 
-        return [await host.answer(b, keep=True, on_layer=slow_progress(i + 1, log)) for i, b in enumerate(bodies)], \
-            host.engine.describe()
+        return [await host.answer(b, keep=True, on_layer=slow_progress(f"host vector {i + 1}", log))
+                for i, b in enumerate(bodies)], host.engine.describe()
 
 
 def header(dist, engine: str) -> dict[str, Any]:
