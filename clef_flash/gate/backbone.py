@@ -63,9 +63,9 @@ ENGINE = "torch engine"
 # records of this many tokens (at 9B on a 2-core CPU about 2-3 minutes a record a side), beside one
 # chunk through the runtime (the spot check) where its compute is fp32
 ENGINE_RECORDS, ENGINE_TOKENS = 2, 512
-# what one 64-token chunk costs the Linux CPU runtime per billion parameters (measured at 9B: about 3
-# minutes in fp32; over 38 minutes in fp16, where a chunk had not returned): the spot check's estimate
-RUNTIME_SECONDS_PER_CHUNK_PER_B = {"fp32": 180 / 7.94, "fp16": 38 * 60 / 7.94}
+# what one 64-token chunk costs the Linux CPU runtime per billion parameters (measured at 9B: 268 s in
+# fp32, docs/performance.md; over 38 minutes in fp16, where a chunk had not returned): the spot check's estimate
+RUNTIME_SECONDS_PER_CHUNK_PER_B = {"fp32": 268 / 7.94, "fp16": 38 * 60 / 7.94}
 
 
 # compressed weights: the bars above hold the asset against the reference on the asset's own
