@@ -122,9 +122,6 @@ class ShippedWeights:
         scales = torch.from_numpy(self._raw(w.blobs[1]).view(np.float16).reshape(scheme.scale_shape(shape)))
         return dequantize_torch(codes, scales, scheme)
 
-    def close(self) -> None:
-        self._file = None  # the mapping goes when the last view does
-
 
 def read_map(path: Path, want: str | None) -> tuple[WeightMap, dict[str, np.ndarray]]:
     """The map and the 1-D tensors, the file's sha256 checked against ``want`` (the manifest's)."""
