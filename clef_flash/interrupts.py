@@ -74,14 +74,20 @@ def removed_at_a_forced_stop(folder, keep: bool = True) -> None:
 def _stop_after_grace() -> None:
     """Exit 130 once ``STOP_GRACE_S`` has passed with the runtime's calls still in flight (a thread:
     the main one is inside them). ``os._exit``: no teardown of a runtime that is mid-call."""
-    import shutil
-    import sys
-
     time.sleep(STOP_GRACE_S)
     if not _deferring[0]:
         return  # the calls returned: the command unwinds as usual
+    stop_now("interrupted: nothing was written (a runtime call in flight was stopped)")
+
+
+def stop_now(message: str) -> None:
+    """Exit 130 now: ``message`` on stderr, the folders in progress removed. ``os._exit``: no
+    teardown of a runtime that is mid-call (that aborts the process)."""
+    import shutil
+    import sys
+
     try:
-        sys.stderr.write("interrupted: nothing was written (a runtime call in flight was stopped)\n")
+        sys.stderr.write(message + "\n")
         sys.stderr.flush()
     finally:
         for folder in sorted(_in_progress):
@@ -112,6 +118,7 @@ def install() -> None:
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGHUP, _on_signal)  # a closed terminal: the same stop, nothing landed
     if getattr(sys.unraisablehook, "_clef_interrupts", False):
         return
     previous = sys.unraisablehook
@@ -130,6 +137,7 @@ def done() -> None:
     and the interpreter's teardown must not die of it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def interrupted() -> bool:

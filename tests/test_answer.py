@@ -23,8 +23,9 @@ from typer.testing import CliRunner
 
 from clef_flash.cli import app
 
+from .serving import EXE, Served
+
 ROOT = Path(__file__).resolve().parent.parent
-EXE = str(Path(sys.executable).parent / "clef-export")
 IMAGES = ROOT / "conversion" / "requests-images.jsonl"
 runner = CliRunner()
 
@@ -234,42 +235,6 @@ def test_answer_a_published_release_by_commit(shipped, tmp_path):
 # ---------------------------------------------------------------- serve
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
-    def __init__(self, dist: Path, *extra: str):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        import tempfile
-
-        self.log = tempfile.TemporaryFile(mode="w+")  # its per-request lines: a pipe nobody reads would fill
-        self.proc = subprocess.Popen([EXE, "serve", str(dist), "--port", str(self.port), *extra],
-                                     stdout=subprocess.DEVNULL, stderr=self.log, text=True)
-        import httpx
-
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(self.stop()[1][-3000:])
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        raise AssertionError("serve did not become ready")
-
-    def stop(self) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        code = self.proc.wait(timeout=120)
-        self.log.seek(0)
-        return code, self.log.read()
-
-
 @pytest.fixture(scope="module")
 def served(shipped):
     s = Served(shipped["dist"])
@@ -395,6 +360,7 @@ def test_serve_token_bind_queue_and_drain(shipped):
             s.proc.send_signal(signal.SIGTERM)
             r = fut.result()
         assert r.status_code == 200 and r.json()["success"] is True
+        s.proc.wait(timeout=120)  # it drains and exits by itself (a second signal would stop it now: exit 130)
     finally:
         code, err = s.stop()
     assert code == 0, err[-3000:]

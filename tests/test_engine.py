@@ -303,7 +303,7 @@ def test_answer_and_check_release_on_either_engine_agree(engine_bundles, tmp_pat
 def test_serve_on_the_torch_engine_says_so_and_answers_as_answer(engine_bundles):
     import httpx
 
-    from .test_answer import Served
+    from .serving import Served
 
     body = json.loads((ROOT / "conversion" / "requests-answer.jsonl").read_text().splitlines()[0])
     want = runner.invoke(app, ["answer", str(engine_bundles["dist"]), "--requests",

@@ -101,12 +101,12 @@ def test_generated_requests_equal_the_authors(author_module, tokenizers):
         body = _request(rng, i)
         assert _held(author_module, tokenizers, body) is None, json.dumps(body)[:300]
         # the state cut to fit: the author's max_length rule, 0 and 3 tokens of room past the schema
-        ours = encode(tokenizers[0], body)
         state = len(tokenizers[0].pieces([render(body["state"])])[0])
-        fixed = len(ours.ids) + ours.state_tokens_cut - state
+        fixed = len(encode(tokenizers[0], {**body, "state": ""}).ids)  # an empty state renders to no token
+        assert encode(tokenizers[0], body).state_cut == (fixed + state > 16384)
         for room in (0, 3):
             assert _held(author_module, tokenizers, body, max_length=fixed + room) is None, (i, room)
-            assert encode(tokenizers[0], body, max_length=fixed + room).state_tokens_cut == max(0, state - room)
+            assert encode(tokenizers[0], body, max_length=fixed + room).state_cut == (state > room)
             cut += state > room
     assert cut > 100
 
@@ -153,3 +153,104 @@ def test_the_encoder_imports_no_torch():
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+# Qwen's pre-tokenizer split (letters, single digits, punctuation, newlines, spaces): what the real
+# tokenizer cuts words by, with an NFC normalizer and byte-level BPE merges learnt below
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+HARD = WORDS + ["   ", "\n\n", " \n ", "12345", "e\u0301", "<|im_start|>", "<|im", "don't", "\t", "..."]
+
+
+@pytest.fixture(scope="module")
+def merging_tokenizer(tmp_path_factory) -> PromptTokenizer:
+    """A byte-level BPE with merges over Qwen's split and added tokens, trained here (seeded text)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(7)
+    corpus = ["".join(rng.choice(HARD) + rng.choice(["", " "]) for _ in range(200)) for _ in range(200)]
+    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<|im_start|>", "<|im_end|>", "<|image_pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    tok.save(str(path))
+    return PromptTokenizer(path)
+
+
+def _long_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(HARD) + rng.choice(["", " ", "  "]) for _ in range(n))
+
+
+@pytest.mark.parametrize("which", ["bytes", "merges"])
+def test_a_long_state_is_cut_before_tokenizing_to_the_whole_texts_ids(which, tokenizers, merging_tokenizer):
+    """``leading`` tokenizes a prefix only, and its ids are the whole text's first ones: many texts
+    built of what moves a tokenizer's words (spaces, newlines, digits, combining marks, emoji, added
+    tokens cut in two), at many counts."""
+    tok = tokenizers[0] if which == "bytes" else merging_tokenizer
+    assert tok._merges == (which == "merges")
+    rng = random.Random(20261207)
+    short_cuts = 0
+    for i in range(120):
+        text = _long_text(rng, rng.choice([50, 400, 3000, 12000]))
+        whole = tok.pieces([text])[0]
+        for count in (1, 7, rng.randrange(1, 3000), len(whole) - 1, len(whole) + 5):
+            if count < 1:
+                continue
+            got = tok.leading(text, count)
+            assert got == whole[:count], (i, count, len(text))
+            short_cuts += count < len(whole) and len(text) > 4 * count + 1024 + tok._margin
+    assert short_cuts > 100  # the prefix path ran, not only the whole-text fallback
+
+
+@pytest.mark.parametrize("which", ["bytes", "merges"])
+def test_the_ids_kept_at_a_cut_are_the_whole_texts(which, tokenizers, merging_tokenizer):
+    """The rule at the cut itself: at every kind of place a text is cut (inside a run of spaces, a
+    word, a number, an added token), the ids ``sure_ids`` keeps are the whole text's first ones,
+    and it keeps all but the last few words."""
+    tok = tokenizers[0] if which == "bytes" else merging_tokenizer
+    rng = random.Random(11)
+    checked = 0
+    for i in range(60):
+        text = _long_text(rng, 600)
+        whole = tok.pieces([text])[0]
+        for n in rng.sample(range(tok._margin + 40, len(text) - 1), 40):
+            sure = tok.sure_ids(text, n)
+            assert sure is not None and sure == whole[: len(sure)], (i, n)
+            assert len(tok.pieces([text[: n - tok._margin - 30]])[0]) <= len(sure) + 12, (i, n)  # not much thrown away
+            checked += 1
+    assert checked == 2400
+
+
+def test_a_state_of_megabytes_is_read_in_time_its_kept_tokens_take(tokenizers):
+    """An 8 MB state is cut from a prefix: the kept ids equal the whole text's, and the encoder
+    tokenizes no more than a few times the kept characters (counted, not timed)."""
+    tok = tokenizers[0]
+    calls = []
+    inner = tok._tok
+
+    class Counting:  # every text handed to the tokenizer, its length kept
+        def __getattr__(self, name):
+            return getattr(inner, name)
+
+        def encode(self, text, **kw):
+            calls.append(len(text))
+            return inner.encode(text, **kw)
+
+        def encode_batch(self, texts, **kw):
+            calls.extend(len(t) for t in texts)
+            return inner.encode_batch(texts, **kw)
+
+    body = {"model": "clef", "state": "state " * 1_400_000, "questions": {"ok": {"type": "noul"}}}
+    whole = encode(tok, body, max_length=2048)
+    tok._tok = Counting()
+    try:
+        cut = encode(tok, body, max_length=2048)
+    finally:
+        tok._tok = inner
+    assert cut == whole and cut.state_cut and len(cut.ids) == 2048
+    assert calls and max(calls) < 64 * 1024, calls

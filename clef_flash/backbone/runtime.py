@@ -25,21 +25,23 @@ async def runner(asset: Path, state_shapes: dict[str, tuple[int, ...]], state_dt
     from ..formats.runtime_compile import executable
     from ..quiet import native_stderr
 
-    # the runtime's own lines off the terminal unless --verbose; its compiled copy in a folder no kill strands
-    with native_stderr():
-        async with executable(Path(asset), scratch) as model:
+    # the runtime's own lines (it writes them as it loads, never as it runs) off the terminal unless
+    # --verbose: fd 2 is captured while loading only, so a server's own errors still reach its log
+    async with contextlib.AsyncExitStack() as stack:
+        with native_stderr():
+            model = await stack.enter_async_context(executable(Path(asset), scratch))
             fn = model.load_function(FUNCTION)
-            if fn is None:
-                raise IntegrityError(f"{asset}: function {FUNCTION} not found")
+        if fn is None:
+            raise IntegrityError(f"{asset}: function {FUNCTION} not found")
 
-            def new_states() -> dict[str, Any]:
-                return {n: NDArray(np.zeros(state_shapes[n], dtype=_NP[state_dtype])) for n in STATE_ORDER}
+        def new_states() -> dict[str, Any]:
+            return {n: NDArray(np.zeros(state_shapes[n], dtype=_NP[state_dtype])) for n in STATE_ORDER}
 
-            async def call(inputs: dict[str, np.ndarray], states: dict[str, Any]) -> np.ndarray:
-                out = await fn({k: NDArray(np.ascontiguousarray(v)) for k, v in inputs.items()}, states)
-                return np.array(out[OUTPUT_NAMES[0]].numpy(), dtype=np.float32, copy=True)[0]
+        async def call(inputs: dict[str, np.ndarray], states: dict[str, Any]) -> np.ndarray:
+            out = await fn({k: NDArray(np.ascontiguousarray(v)) for k, v in inputs.items()}, states)
+            return np.array(out[OUTPUT_NAMES[0]].numpy(), dtype=np.float32, copy=True)[0]
 
-            yield call, new_states
+        yield call, new_states
 
 
 async def _describe(asset: Path) -> dict[str, Any]:

@@ -200,22 +200,22 @@ async def runner(asset: Path, names: list[str]):
     from ..quiet import native_stderr
 
     slots = asyncio.Semaphore(max(1, min(4, os.cpu_count() or 1)))
-    # the runtime's own lines off the terminal unless --verbose; its compiled copy in a folder no kill strands
-    with native_stderr():
-        async with executable(asset) as model:
-            fns = {}
-            for name in names:
-                fn = model.load_function(name)
-                if fn is None:
-                    raise IntegrityError(f"{asset}: function {name} not found")
-                fns[name] = fn
+    # the runtime's own lines (written as it loads) off the terminal unless --verbose; fd 2 captured
+    # while loading only, so a server's own errors still reach its log
+    async with contextlib.AsyncExitStack() as stack:
+        with native_stderr():
+            model = await stack.enter_async_context(executable(asset))
+            fns = {name: model.load_function(name) for name in names}
+        for name, fn in fns.items():
+            if fn is None:
+                raise IntegrityError(f"{asset}: function {name} not found")
 
-            async def call(name: str, arrays: dict[str, Any]) -> Any:
-                async with slots:
-                    out = await fns[name]({k: NDArray(np.ascontiguousarray(v)) for k, v in arrays.items()})
-                    return np.array(out["logits"].numpy(), dtype=np.float32, copy=True)
+        async def call(name: str, arrays: dict[str, Any]) -> Any:
+            async with slots:
+                out = await fns[name]({k: NDArray(np.ascontiguousarray(v)) for k, v in arrays.items()})
+                return np.array(out["logits"].numpy(), dtype=np.float32, copy=True)
 
-            yield call
+        yield call
 
 
 async def _describe(asset: Path) -> list[dict[str, Any]]:

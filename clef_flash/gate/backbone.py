@@ -282,10 +282,22 @@ def compression_of(m, text):
 
 
 def _dequantized(mlirb: Path, found, scheme, name: str, red: str | None = None):
+    """The asset's dequantized weight ``name`` read where its linear is called (``held_weights.OnUse``):
+    one fp32 matrix in memory at a time, not a layer's (the same fp32 arithmetic); None where the
+    asset does not compress it."""
+    from ..backbone.held_weights import OnUse
     from ..engine.asset_readback import dequantized
 
     f = found.get(name)
-    return None if f is None else dequantized(mlirb, f, scheme, red)
+    if f is None:
+        return None
+
+    def read():
+        import torch
+
+        return torch.from_numpy(dequantized(mlirb, f, scheme, red))
+
+    return OnUse(read)
 
 
 def release_of(cfg, m, checks: list) -> tuple[Any, Path]:
@@ -356,7 +368,9 @@ def _references(cfg: BackboneVerifyConfig, asset: Path, source: Path, records, i
     total = sum(len(names) for _, names in refs.values())
     with progress("gate: reference, transformers fp32", total, "records") as tick:
         for arm, (override, names) in refs.items():
-            ref = StreamedTextModel(source, weights=override)
+            # linears' weights read where each is called (the release's 16 bits widened, or the
+            # asset's dequantized matrix), not a whole layer in fp32: the gate's peak (docs/performance.md)
+            ref = StreamedTextModel(source, weights=override, narrow=True)
             for name in names:
                 wants[(arm, name)] = ref.rows(records[name], images.get(name))
                 tick()

@@ -45,31 +45,76 @@ def check_engine_options(engine: str, device: str) -> None:
         device_name(device)
 
 
-def read_lines(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed body or the ``ValueError`` saying why not) of each non-blank line."""
+# a line is one request body: the server's cap on a body (host.server.MAX_BODY: one image of
+# 20 MiB as base64 fits), so a file of requests and a server take the same requests
+MAX_LINE = 32 * 1024 * 1024
+
+
+def check_requests_file(path: Path) -> None:
+    """A requests file that can be read as lines: a regular file or a FIFO (a pipe's ``<(…)``),
+    refused before any work otherwise (a folder, a device such as /dev/zero, a socket)."""
+    import stat
+
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        mode = Path(path).stat().st_mode
     except FileNotFoundError:
         raise UsageError(f"{path}: requests file not found") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"{path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the requests file ({exc.strerror or exc})") from None
+    if stat.S_ISDIR(mode):
+        raise UsageError(f"{path}: a folder, not a requests file (JSONL, one request a line)")
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        raise UsageError(f"{path}: not a regular file or a FIFO (a device or a socket is not read as requests)")
+
+
+def read_lines(path: Path, max_line: int = MAX_LINE) -> list[tuple[int, Any]]:
+    """(line number, parsed body or the ``RequestError`` saying why not) of each non-blank line;
+    a line past ``max_line`` bytes is refused as it is read (never held whole)."""
+    from .requests import RequestError, parse_body
+
+    check_requests_file(path)
     out: list[tuple[int, Any]] = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append((n, json.loads(line)))
-        except ValueError as exc:
-            out.append((n, ValueError(f"not JSON ({exc})")))
+    try:
+        with open(path, "rb") as f:
+            n = 0
+            while True:
+                line = f.readline(max_line + 1)
+                if not line:
+                    break
+                n += 1
+                if len(line) > max_line and not line.endswith(b"\n"):
+                    while line and not line.endswith(b"\n"):  # the rest of the line, read and let go
+                        line = f.readline(1024 * 1024)
+                    out.append((n, RequestError("body", f"line over {max_line} bytes (a request's cap, as serve's body)", 413)))
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError:
+                    out.append((n, RequestError("body", "not UTF-8 text")))
+                    continue
+                try:
+                    out.append((n, parse_body(text)))
+                except RequestError as exc:
+                    out.append((n, exc))
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the requests file ({exc.strerror or exc})") from None
     if not out:
         raise UsageError(f"{path}: no requests")
     return out
 
 
 def error_line(n: int, body: Any, field_name: str, message: str, status: int) -> dict[str, Any]:
+    from .requests import safe_text
+
     rid = body.get("id") if isinstance(body, dict) else None
+    if isinstance(rid, str):
+        rid = safe_text(rid)
+    elif not isinstance(rid, (int, float, type(None))):
+        rid = None  # an id that is not a string or a number is not echoed
     return {"line": n, **({"id": rid} if rid is not None else {}),
-            "error": {"field": field_name, "message": message, "status": status}}
+            "error": {"field": safe_text(field_name), "message": safe_text(message), "status": status}}
 
 
 def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, log=lambda msg: None) -> AnswerResult:
@@ -78,11 +123,16 @@ def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, lo
     from ..interrupts import refuse_if_interrupted, run_async
     from ..progress import slow_progress
     from .dist import open_dist
+    from ..errors import ClefError
+    from ..interrupts import Interrupted
     from .model import STAGES, ClefHost
-    from .requests import RequestError
+    from .requests import RequestError, safe_text
 
     check_engine_options(cfg.engine, cfg.device)
+    check_requests_file(cfg.requests)
     if cfg.out is not None:
+        if Path(cfg.out).is_dir():
+            raise UsageError(f"{cfg.out}: --out is a folder; it takes a file (JSONL, one answer a line)")
         check_output_path(Path(cfg.out), cfg.overwrite)
     bodies = read_lines(cfg.requests)
     dist = open_dist(cfg.dist, cfg.cache, log)
@@ -98,16 +148,22 @@ def answer_file(cfg: AnswerConfig, emit: Callable[[str], None] | None = None, lo
                 for n, body in bodies:
                     refuse_if_interrupted()  # Ctrl-C: no request starts after it
                     try:
-                        if isinstance(body, ValueError):
-                            raise RequestError("body", str(body))
+                        if isinstance(body, RequestError):
+                            raise body
                         answered = await host.answer(body, Path(cfg.requests).parent, on_layer=slow_progress(f"request on line {n}", log))
                         line = json.dumps({"line": n, **({"id": body["id"]} if "id" in body else {}), **answered.response},
                                           ensure_ascii=False)
                         for s in STAGES:
                             result.seconds[s] += answered.seconds[s]
                     except RequestError as exc:
-                        result.failed.append(f"{cfg.requests}:{n}: {exc}")
+                        result.failed.append(f"{cfg.requests}:{n}: {safe_text(str(exc))}")
                         line = json.dumps(error_line(n, body, exc.field, str(exc), exc.status), ensure_ascii=False)
+                    except (Interrupted, ClefError):
+                        raise  # a stop, or a release that cannot answer at all: the command's, not the line's
+                    except Exception as exc:  # this line's own failure: said on its line, the rest answered (as serve's 500)
+                        why = f"internal error: {type(exc).__name__}: {safe_text(str(exc))[:200]}"
+                        result.failed.append(f"{cfg.requests}:{n}: {why}")
+                        line = json.dumps(error_line(n, body, "body", why, 500), ensure_ascii=False)
                     result.lines.append(line)
                     if emit is not None and cfg.out is None:
                         emit(line)

@@ -71,9 +71,47 @@ class PromptTokenizer:
             self._tok = Tokenizer.from_file(str(self.path))
         except Exception as exc:  # the tokenizers library raises its own plain Exception
             raise IntegrityError(f"{self.path}: not a tokenizer the tokenizers library reads ({str(exc)[:160]})") from None
+        model = json.loads(self._tok.to_str()).get("model", {})
+        self._merges = model.get("type") != "BPE" or bool(model.get("merges"))  # a byte-level vocabulary alone merges nothing
+        added = [t.content for t in self._tok.get_added_tokens_decoder().values()]
+        self._margin = max([len(t) for t in added] + [16]) + 1
 
     def pieces(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    def leading(self, text: str, count: int) -> list[int]:
+        """The first ``count`` ids of ``text``'s tokenization (all of them when it has fewer),
+        tokenizing a prefix of ``text`` only (``sure_ids``), so a state of megabytes costs what its
+        kept tokens cost."""
+        n = max(4 * count, 1024) + self._margin
+        while n < len(text):
+            sure = self.sure_ids(text, n)
+            if sure is None:
+                break
+            if len(sure) >= count:
+                return sure[:count]
+            n *= 2
+        return self.pieces([text])[0][:count]
+
+    def sure_ids(self, text: str, n: int) -> list[int] | None:
+        """The ids of ``text[:n]``'s tokenization that are ``text``'s own, or None where that is not
+        known. No token crosses a pre-token (word), and a cut changes at most the word it falls in
+        and the one before it (a run of spaces gives its last space to the next word); an added
+        token cut in two lies within ``_margin`` characters of the cut. A tokenizer that keeps a
+        long text one word and merges bytes across it has no such bound: None."""
+        enc = self._tok.encode(text[:n], add_special_tokens=False)
+        safe = n - self._margin  # tokens ending at or before it: no added token is cut there
+        first_unsure = next((i for i, (_, end) in enumerate(enc.offsets) if end > safe), len(enc.ids))
+        if not self._merges:
+            return enc.ids[:first_unsure]  # bytes are tokens: each character's are its own
+        words = enc.word_ids
+        if first_unsure >= len(enc.ids) or words[first_unsure] is None:
+            return None  # no word to stand on at the cut
+        unsure_word = words[first_unsure]
+        kept = next((i for i in range(first_unsure) if words[i] is not None and words[i] >= unsure_word - 1), first_unsure)
+        if kept == 0 and unsure_word <= 1:
+            return None  # one word so far: a byte-merging tokenizer's cut is not known to hold
+        return enc.ids[:kept]
 
     def token_id(self, token: str) -> int:
         got = self._tok.token_to_id(token)
@@ -93,7 +131,7 @@ class Encoded:
     ids: tuple[int, ...]
     questions: tuple[Question, ...]  # spans in ``ids``, option ids in the head's order
     image: ImagePlace | None = None
-    state_tokens_cut: int = 0  # the state's tokens dropped to fit MAX_LENGTH (the author does the same)
+    state_cut: bool = False  # the state was cut to fit MAX_LENGTH (the author does the same); usage.input_tokens says what was read
 
     @property
     def global_position(self) -> int:
@@ -127,13 +165,13 @@ def encode(tokenizer: PromptTokenizer, body: dict[str, Any], image_tokens: int |
     own image field is not read here). ``ValueError`` when the schema alone exceeds ``max_length``."""
     texts, layout = _texts(body)
     image_texts = ["\n"] if image_tokens is not None else []
-    ids = tokenizer.pieces([PREFIX, render(body["state"]), SUFFIX, *image_texts, *texts])
-    prefix, state, suffix = ids[0], ids[1], ids[2]
+    ids = tokenizer.pieces([PREFIX, SUFFIX, *image_texts, *texts])
+    prefix, suffix = ids[0], ids[1]
     image: list[int] = []
     if image_tokens is not None:
         start, pad, end = (tokenizer.token_id(t) for t in IMAGE_TOKENS)
-        image = [start] + [pad] * image_tokens + [end] + ids[3]
-    schema_pieces = ids[3 + len(image_texts):]
+        image = [start] + [pad] * image_tokens + [end] + ids[2]
+    schema_pieces = ids[2 + len(image_texts):]
     schema: list[int] = []
     spans: list[tuple[int, int]] = []  # every piece's span in the schema, in order
     for piece in schema_pieces:
@@ -143,7 +181,10 @@ def encode(tokenizer: PromptTokenizer, body: dict[str, Any], image_tokens: int |
     fixed = head + len(schema) + len(suffix)
     if fixed > max_length:
         raise RecordTooLong(f"the schema needs {fixed} tokens before the state; at most {max_length} fit")
-    kept = state[: max_length - fixed]
+    room = max_length - fixed
+    # one token past the room says whether the state was cut, without tokenizing all of it
+    state = tokenizer.leading(render(body["state"]), room + 1)
+    kept = state[:room]
     at = head + len(kept)  # where the schema starts
     questions, p = [], 1  # piece 0 is the schema's title
     for qid, type_id, option_ids in layout:
@@ -154,7 +195,7 @@ def encode(tokenizer: PromptTokenizer, body: dict[str, Any], image_tokens: int |
         p += 3 + 3 * len(option_ids) + 1
     place = ImagePlace(start=len(prefix) + 1, tokens=image_tokens) if image_tokens is not None else None
     return Encoded(ids=tuple(prefix + image + kept + schema + suffix), questions=tuple(questions), image=place,
-                   state_tokens_cut=len(state) - len(kept))
+                   state_cut=len(state) > len(kept))
 
 
 def first_difference(ours: Encoded, ids: Sequence[int], questions: Sequence[Any]) -> str | None:

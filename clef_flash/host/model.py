@@ -96,8 +96,16 @@ class ClefHost:
         """The request checked, its image prepared and its prompt encoded, before any asset runs:
         (encoded, the image's prepared patches or None, the image, the head bucket)."""
         from ..head.host import HostInputError, check_fits
+        from .encode import options_of
 
         check_body(body)
+        # the schema's limits said before anything is tokenized: a client sending too many is told which
+        questions = body["questions"]
+        if len(questions) > self.q_pad:
+            raise RequestError("questions", f"{len(questions)} questions; at most {self.q_pad} a request (this release's head)", 422)
+        options = sum(len(options_of(q)) for q in questions.values())
+        if options > self.o_pad:
+            raise RequestError("questions", f"{options} options; at most {self.o_pad} in all a request (this release's head)", 422)
         image = read_image(body, base)
         prepared, tokens = None, None
         if image is not None:
@@ -148,8 +156,12 @@ class ClefHost:
         from ..backbone.host import ImageSpan, image_ids, image_inputs, run_record
         from ..head.host import answers, head_inputs, question_probs
 
+        import asyncio
+
         t0 = time.perf_counter()
-        enc, prepared, _image, bucket = self.prepare(body, base)
+        # parsing an image and tokenizing a state are CPU work: off the event loop, so a server
+        # answers /health and reads other bodies meanwhile
+        enc, prepared, _image, bucket = await asyncio.to_thread(self.prepare, body, base)
         seconds = {"encode": time.perf_counter() - t0}
         t = time.perf_counter()
         span = None
@@ -166,8 +178,6 @@ class ClefHost:
             extra = image_inputs(vision.image_rows, lang.hidden_size, dtype, span)
         sent = image_ids(ids, span, lang.vocab_size) if span is not None else ids
         if self._torch is not None:  # off the event loop: a server keeps answering /health meanwhile
-            import asyncio
-
             layers = len(lang.layer_types)
             tick = (lambda i: on_layer(i + 1, layers)) if on_layer is not None else None
             hidden = await asyncio.to_thread(self._torch.rows, sent, extra, tick)

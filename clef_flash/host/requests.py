@@ -16,6 +16,11 @@ from ..sources.requests import MAX_IMAGES, MEDIA_KWARGS, QUESTION_TYPES
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024  # an encoded image's bytes
 MAX_IMAGE_PIXELS = 64 * 1024 * 1024  # its decoded pixels: past it Pillow's bomb check, not a resize, answers
+# a body's nesting: the prompt renders a state with json.dumps, which recurses a frame a level
+# (Python stops at 1,000); no SystemOne field needs more than a few levels
+MAX_DEPTH = 200
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 DATA_URL = re.compile(r"^data:(?P<type>image/[\w.+-]+)?(?:;[\w=.+-]+)*;base64,(?P<data>.*)$", re.S)
 
 
@@ -34,6 +39,53 @@ class Image:
     pil: Any
     source: str  # "data URL", "base64", or the file's path
     media_kwargs: dict[str, Any]
+
+
+def _where(path: list[Any]) -> str:
+    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(path)) or "body"
+
+
+def safe_text(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape: an error message that quotes a
+    request's own strings still encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def check_text(body: Any) -> None:
+    """A parsed body nested at most ``MAX_DEPTH`` deep and holding only valid Unicode (JSON's
+    ``\\ud800`` escape decodes to a lone surrogate, which no tokenizer or UTF-8 writer takes):
+    ``RequestError`` 400 naming the first field that is not. A loop, not recursion: the body's depth
+    is what is being checked."""
+    todo: list[tuple[Any, list[Any]]] = [(body, [])]
+    while todo:
+        value, path = todo.pop()
+        if len(path) > MAX_DEPTH:
+            raise RequestError(_where(path[:3]) + "…", f"nested more than {MAX_DEPTH} deep")
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                raise RequestError(safe_text(_where(path)), "holds a lone UTF-16 surrogate (not valid Unicode)")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if _SURROGATE.search(k):
+                    raise RequestError(safe_text(_where(path + [k])), "a key holds a lone UTF-16 surrogate (not valid Unicode)")
+                todo.append((v, path + [k]))
+        elif isinstance(value, list):
+            todo.extend((v, path + [i]) for i, v in enumerate(value))
+
+
+def parse_body(raw: bytes | str) -> Any:
+    """A request body parsed and ``check_text``-checked; ``RequestError`` 400 when it is not JSON
+    (nesting past the parser's own recursion included) or not valid Unicode."""
+    import json
+
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise RequestError("body", f"nested too deep to parse (at most {MAX_DEPTH} levels)") from None
+    except ValueError as exc:  # UnicodeDecodeError included: bytes that are not UTF-8
+        raise RequestError("body", f"not JSON ({safe_text(str(exc))[:200]})") from None
+    check_text(body)
+    return body
 
 
 def check_body(body: Any) -> None:
@@ -126,6 +178,11 @@ def read_image(body: dict[str, Any], base: Path | None = None) -> Image | None:
             pil = ImageOps.exif_transpose(im).convert("RGB")
     except RequestError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, PILImage.DecompressionBombError) as exc:
-        raise RequestError("images[0]", f"not an image Pillow can decode ({str(exc).splitlines()[0][:120]})") from None
+    except PILImage.DecompressionBombError:  # Pillow's own check, past twice its pixel limit: too large, as above
+        raise RequestError("images[0]", f"a decompression bomb (Pillow refuses it); at most {MAX_IMAGE_PIXELS} pixels", 413) from None
+    except UnidentifiedImageError:
+        raise RequestError("images[0]", "not an image Pillow can decode (no format it knows)") from None
+    except (OSError, ValueError, SyntaxError) as exc:  # a truncated or corrupt file; the message never holds an address
+        why = _ADDRESS.sub("", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:120]
+        raise RequestError("images[0]", f"not an image Pillow can decode ({why})") from None
     return Image(pil=pil, source=source, media_kwargs=dict(body.get("media_kwargs") or {}))

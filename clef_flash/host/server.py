@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import json
 import signal
 import time
 from dataclasses import dataclass
@@ -21,6 +20,15 @@ from ..errors import UsageError
 MODELS = ("clef", "clef-flash")  # @cf/cloudflare/<name>: the one release answers under either
 PREFIX = "/client/v4"  # the clients' default base URL ends in it; the route is taken with and without it
 MAX_BODY = 32 * 1024 * 1024  # a body's bytes: one image of MAX_IMAGE_BYTES as base64 fits
+# a client that trickles: its request line and headers must be whole this long after it connected
+# (or after its previous answer); its body must not pause longer than BODY_IDLE_S between two
+# reads, nor take longer than BODY_S in all (32 MiB at 1 MB/s fits). Past them: 408, or the
+# connection closed while the headers are not whole.
+HEADERS_S = 10.0
+BODY_IDLE_S = 10.0
+BODY_S = 60.0
+GONE_POLL_S = 0.25  # how often a request waiting for the model looks whether its client has gone
+STOP_NOW_S = 2.0  # after a second signal: how long the clients in flight have to be told, then exit 130
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,8 @@ def check_bind(cfg: ServeConfig) -> None:
         raise UsageError(f"--host {cfg.host!r}: not an IP address (or localhost)") from None
     if not loopback and not cfg.token:
         raise UsageError(f"--host {cfg.host}: binding beyond loopback needs --token (every request must carry it)")
+    if cfg.token is not None and (not cfg.token or cfg.token != cfg.token.strip() or any(c.isspace() for c in cfg.token)):
+        raise UsageError("--token: empty or holding whitespace; no client could send it in Authorization: Bearer <token>")
     if not 0 <= cfg.port <= 65535:
         raise UsageError(f"--port {cfg.port}: not a port")
     if cfg.queue < 1:
@@ -68,11 +78,18 @@ def _bound(cfg: ServeConfig):
 def envelope(result: Any = None, status: int = 200, message: str | None = None):
     from starlette.responses import JSONResponse
 
+    from .requests import safe_text
+
     if message is None:
         return JSONResponse({"success": True, "result": result, "errors": [], "messages": []})
     headers = {"Retry-After": "1"} if status == 503 else None
-    return JSONResponse({"success": False, "result": None, "errors": [{"code": status, "message": message}],
+    # a message may quote the request's own strings: a lone surrogate in them is written escaped
+    return JSONResponse({"success": False, "result": None, "errors": [{"code": status, "message": safe_text(message)}],
                          "messages": []}, status_code=status, headers=headers)
+
+
+class BodyTimeout(Exception):
+    """A body that stopped coming (``BODY_IDLE_S``) or came too slowly (``BODY_S``)."""
 
 
 class Service:
@@ -81,49 +98,111 @@ class Service:
     def __init__(self, cfg: ServeConfig, dist, host, log):
         self.cfg, self.dist, self.host, self.log = cfg, dist, host, log
         self.lock = asyncio.Lock()
-        self.waiting = 0
+        self.waiting = 0  # requests past the queue check: reading their body, waiting, or answered now
         self.answered = 0
+        self.gone = 0  # requests dropped because their client hung up before their turn
+        self.in_handler = 0  # run() calls not yet returned (a stop-now waits for them to be told)
+        self.stop_now = asyncio.Event()  # a second signal: every request still here is told 503
 
     def authorised(self, request) -> bool:
+        """``Authorization: Bearer <token>``, the scheme in any case (RFC 7235), the token compared
+        in constant time."""
         if not self.cfg.token:
             return True
-        got = request.headers.get("authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self.cfg.token}".encode())
+        scheme, _, got = request.headers.get("authorization", "").strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(got.strip().encode(), self.cfg.token.encode())
 
     async def body(self, request) -> bytes | None:
-        """The body, or None past ``max_body`` (said by Content-Length or counted as it comes)."""
+        """The body, or None past ``max_body`` (said by Content-Length or counted as it comes);
+        ``BodyTimeout`` when it stops coming."""
         size = request.headers.get("content-length")
         if size is not None and size.isdigit() and int(size) > self.cfg.max_body:
             return None
         data = bytearray()
-        async for chunk in request.stream():
+        chunks = request.stream().__aiter__()
+        deadline = time.monotonic() + BODY_S
+        while True:
+            wait = min(BODY_IDLE_S, deadline - time.monotonic())
+            try:
+                chunk = await asyncio.wait_for(chunks.__anext__(), timeout=max(wait, 0.0))
+            except StopAsyncIteration:
+                return bytes(data)
+            except asyncio.TimeoutError:
+                raise BodyTimeout() from None
             data += chunk
             if len(data) > self.cfg.max_body:
                 return None
-        return bytes(data)
+
+    async def _turn(self, request) -> bool:
+        """The model's lock, once the requests ahead have been answered; False (and no lock) when
+        the client hung up meanwhile or the server stops now: no model time for a gone client."""
+        take = asyncio.ensure_future(self.lock.acquire())
+        stop = asyncio.ensure_future(self.stop_now.wait())
+        try:
+            while not take.done():
+                await asyncio.wait({take, stop}, timeout=GONE_POLL_S, return_when=asyncio.FIRST_COMPLETED)
+                if take.done():
+                    break
+                if stop.done() or await request.is_disconnected():
+                    take.cancel()
+                    break
+            try:
+                await take
+            except asyncio.CancelledError:
+                return False
+            if self.stop_now.is_set() or await request.is_disconnected():
+                self.lock.release()
+                return False
+            return True
+        finally:
+            stop.cancel()
 
     async def run(self, request):
-        from .requests import RequestError
+        self.in_handler += 1
+        try:
+            return await self._run(request)
+        finally:
+            self.in_handler -= 1
+
+    async def _run(self, request):
+        from .requests import RequestError, parse_body
 
         if request.path_params["model"] not in MODELS:
             return envelope(status=404, message=f"model @cf/cloudflare/{request.path_params['model']} not found "
                                                 f"(this server answers {', '.join('@cf/cloudflare/' + m for m in MODELS)})")
         if not self.authorised(request):
             return envelope(status=401, message="missing or wrong bearer token (Authorization: Bearer <token>)")
-        raw = await self.body(request)
-        if raw is None:
-            return envelope(status=413, message=f"body: over {self.cfg.max_body} bytes")
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return envelope(status=400, message=f"body: not JSON ({exc})")
+        # the queue said before a body is read: a full server holds no one's 32 MiB
         if self.waiting > self.cfg.queue:  # one in flight and ``queue`` behind it
             return envelope(status=503, message=f"{self.waiting - 1} requests waiting behind the one answered; retry later")
         self.waiting += 1
         try:
-            async with self.lock:
+            try:
+                raw = await self.body(request)
+            except BodyTimeout:
+                return envelope(status=408, message=f"body: not received in time (a pause over {BODY_IDLE_S:g} s, "
+                                                    f"or over {BODY_S:g} s in all)")
+            if raw is None:
+                return envelope(status=413, message=f"body: over {self.cfg.max_body} bytes")
+            body = await asyncio.to_thread(parse_body, raw)  # megabytes of JSON: off the event loop
+            if not await self._turn(request):
+                if self.stop_now.is_set():
+                    return envelope(status=503, message="the server is stopping now (a second signal); retry elsewhere")
+                self.gone += 1
+                self.log("dropped a request: its client hung up before its turn")
+                return envelope(status=499, message="client closed the request")
+            try:
                 t0 = time.perf_counter()
-                answered = await self.host.answer(body)
+                answering = asyncio.ensure_future(self.host.answer(body))
+                stop = asyncio.ensure_future(self.stop_now.wait())
+                await asyncio.wait({answering, stop}, return_when=asyncio.FIRST_COMPLETED)
+                stop.cancel()
+                if not answering.done():  # the process ends in a moment: its client told now
+                    answering.add_done_callback(lambda f: f.cancelled() or f.exception())
+                    return envelope(status=503, message="the server is stopping now (a second signal); retry elsewhere")
+                answered = answering.result()
+            finally:
+                self.lock.release()
         except RequestError as exc:
             return envelope(status=exc.status, message=str(exc))
         except Exception as exc:  # the server keeps serving; the request is told
@@ -162,6 +241,10 @@ def app(service_box: dict[str, Any], log):
         return envelope(status=404, message=f"{request.url.path}: no such route (POST "
                                             f"{PREFIX}/accounts/<account>/ai/run/@cf/cloudflare/<clef|clef-flash>)")
 
+    async def failed(request, exc: Exception):  # whatever a handler did not expect: the envelope, and the log says it
+        log(f"request failed: {type(exc).__name__}: {str(exc)[:200]}")
+        return envelope(status=500, message=f"internal error: {type(exc).__name__}")
+
     @contextlib.asynccontextmanager
     async def lifespan(_app):
         from .model import ClefHost
@@ -172,10 +255,62 @@ def app(service_box: dict[str, Any], log):
             log(f"decoder: {host.engine.describe()} ({host.choice.why})")
             log(f"ready: http://{cfg.host}:{cfg.port}/health")
             yield
+            if service_box["service"].stop_now.is_set():
+                from ..interrupts import stop_now
+
+                # a call may still be running in the runtime: tearing it down aborts the process
+                stop_now("stopped at a second signal: the requests in flight were told 503")
 
     route = "/accounts/{account}/ai/run/@cf/cloudflare/{model}"
     routes = [Route(p + route, run, methods=["POST"]) for p in (PREFIX, "")] + [Route("/health", health, methods=["GET"])]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found})
+    star = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found, Exception: failed})
+    # no redirect for a trailing slash: its Location would be built from the client's own Host header
+    star.router.redirect_slashes = False
+    return star
+
+
+def protocol():
+    """uvicorn's h11 protocol with a deadline on a request's line and headers (``HEADERS_S``): a
+    client that trickles them is disconnected (uvicorn bounds only an idle kept-alive connection)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Deadlined(H11Protocol):
+        _headers_timer = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._headers_timer = self.loop.call_later(HEADERS_S, self._headers_late)
+
+        def _disarm(self) -> None:
+            if self._headers_timer is not None:
+                self._headers_timer.cancel()
+                self._headers_timer = None
+
+        def _headers_late(self) -> None:
+            self._headers_timer = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()  # no request began: nothing to answer
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self.conn.their_state is not h11.IDLE:
+                self._disarm()  # the headers are whole: the body's own deadlines hold from here
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+    return Deadlined
 
 
 def serve(cfg: ServeConfig, log=lambda msg: None) -> dict[str, Any]:
@@ -195,17 +330,46 @@ def serve(cfg: ServeConfig, log=lambda msg: None) -> dict[str, Any]:
     box: dict[str, Any] = {"config": cfg, "dist": dist}
 
     class Server(uvicorn.Server):
+        signals = 0
+
         @contextlib.contextmanager
         def capture_signals(self):  # uvicorn re-raises the signal after its shutdown; a drained stop exits 0
-            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            import asyncio
+
+            self.loop = asyncio.get_running_loop()
+            stops = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a closed terminal stops it as Ctrl-C does
+            previous = {s: signal.signal(s, self.on_signal) for s in stops}
             try:
                 yield
             finally:
                 for s, h in previous.items():
                     signal.signal(s, h)
 
+        def on_signal(self, sig, frame) -> None:
+            self.signals += 1
+            if self.signals == 1:
+                log("stopping: no new connections; what is in flight is finished (a second signal stops now)")
+                self.should_exit = True
+                return
+            if self.signals == 2:
+                self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.stop_now()))
+
+        async def stop_now(self) -> None:
+            """A second signal: every request still here is told 503, then exit 130 at once (a
+            runtime call in flight is never torn down: that aborts the process)."""
+            from ..interrupts import stop_now
+
+            service = box.get("service")
+            if service is not None:
+                service.stop_now.set()
+                deadline = time.monotonic() + STOP_NOW_S
+                while service.in_handler and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
+                await asyncio.sleep(0.05)  # their answers' bytes leave the socket buffers
+            stop_now("stopped at a second signal: the requests in flight were told 503")
+
     config = uvicorn.Config(app(box, log), host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=None)
+                            lifespan="on", timeout_graceful_shutdown=None, http=protocol())
     server = Server(config)
     log(f"serving {dist.root} on http://{cfg.host}:{cfg.port}{PREFIX}/accounts/<account>/ai/run/@cf/cloudflare/"
         f"<clef|clef-flash> (Ctrl-C: finish what is in flight, then stop)")

@@ -24,15 +24,20 @@ async def runner(asset: Path, cfg: VisionConfig, scratch: Path | None = None):
     from ..formats.runtime_compile import executable
     from ..quiet import native_stderr
 
-    with native_stderr():
-        async with executable(Path(asset), scratch) as model:
-            async def call(patches: np.ndarray, grid, bucket: int) -> tuple[np.ndarray, TowerCall]:
-                refuse_if_interrupted()  # Ctrl-C: no tower call starts after it (interrupts.run_async)
-                c = tower_inputs(patches, grid, cfg, bucket)
-                fn = model.load_function(c.function)
-                if fn is None:
-                    raise IntegrityError(f"{asset}: function {c.function} not found")
-                res = await fn({k: NDArray(np.ascontiguousarray(c.inputs[k])) for k in INPUT_ORDER})
-                return image_rows(np.array(res["image_embeds"].numpy(), dtype=np.float32, copy=True), c), c
+    # the runtime's own lines (written as it loads a function) off the terminal unless --verbose;
+    # fd 2 captured while loading only, so a server's own errors still reach its log
+    async with contextlib.AsyncExitStack() as stack:
+        with native_stderr():
+            model = await stack.enter_async_context(executable(Path(asset), scratch))
 
-            yield call, set(model.function_names)
+        async def call(patches: np.ndarray, grid, bucket: int) -> tuple[np.ndarray, TowerCall]:
+            refuse_if_interrupted()  # Ctrl-C: no tower call starts after it (interrupts.run_async)
+            c = tower_inputs(patches, grid, cfg, bucket)
+            with native_stderr():
+                fn = model.load_function(c.function)
+            if fn is None:
+                raise IntegrityError(f"{asset}: function {c.function} not found")
+            res = await fn({k: NDArray(np.ascontiguousarray(c.inputs[k])) for k in INPUT_ORDER})
+            return image_rows(np.array(res["image_embeds"].numpy(), dtype=np.float32, copy=True), c), c
+
+        yield call, set(model.function_names)

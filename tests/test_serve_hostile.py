@@ -1,0 +1,293 @@
+"""``serve`` and ``answer`` under hostile input (issue 60): each case found trying them as a hostile
+tester would, on a real server on loopback where it is the server's, with its status or exit code."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from clef_flash.cli import app
+
+from .serving import EXE, Served
+
+ROOT = Path(__file__).resolve().parent.parent
+ROUTE = "/client/v4/accounts/a/ai/run/@cf/cloudflare/clef"
+runner = CliRunner()
+
+
+def _body(**extra) -> dict:
+    return {"model": "clef", "state": "The desk came with a cracked leg.", "questions": {"ok": {"type": "noul"}}, **extra}
+
+
+LONG = _body(state="word " * 600)  # a few decoder chunks: a request still in flight a moment after it is sent
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory, author_code) -> Path:
+    """A tiny release's text dist (head and decoder): what every case here is sent to."""
+    from clef_flash.sources.pinning import pin_local
+    from clef_flash.synth.release import MAKE_TINY_HEAD, write_release
+
+    root = tmp_path_factory.mktemp("hostile")
+    rel = write_release(root / "tiny_release", config_name=MAKE_TINY_HEAD, seed=0, author_code=author_code,
+                        backbone="qwen3_5", variant="tiny")
+    pin_local(rel, name="tiny_release")
+    r = runner.invoke(app, ["release", str(ROOT / "conversion" / "head_bucket_fp16w32.toml"),
+                            str(ROOT / "conversion" / "backbone_pf64_fp16w32.toml"), "--source", str(rel), "--dist", str(root / "dist")])
+    assert r.exit_code == 0, r.output[-3000:]
+    return root / "dist"
+
+
+@pytest.fixture(scope="module")
+def served(dist):
+    s = Served(dist, "--token", "s3cret")
+    yield s
+    s.stop()
+
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+def _post(served, content: bytes | None = None, *, json_body=None, headers=None, path=ROUTE, timeout=120):
+    import httpx
+
+    return httpx.post(served.url + path, content=content, json=json_body, headers={**AUTH, **(headers or {})}, timeout=timeout)
+
+
+def _error(r, status: int) -> str:
+    """The envelope's one error message, its status checked."""
+    env = r.json()
+    assert r.status_code == status and env["success"] is False and env["errors"][0]["code"] == status, (r.status_code, r.text[:300])
+    return env["errors"][0]["message"]
+
+
+def _raw(port: int, data: bytes, wait: float = 30.0) -> tuple[bytes, float]:
+    """What the server says to a client that sends ``data`` and then nothing, and after how long."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(data)
+        s.settimeout(wait)
+        got = b""
+        try:
+            while chunk := s.recv(65536):
+                got += chunk
+        except TimeoutError:
+            pass
+    return got, time.monotonic() - t0
+
+
+def _png_bomb(side: int = 20000) -> bytes:
+    """A PNG whose header says ``side`` x ``side`` pixels (past Pillow's bomb limit) in a few bytes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(b"\x00" * 64)) + chunk(b"IEND", b""))
+
+
+def test_the_servers_own_errors_reach_its_log(served):
+    """fd 2 is the log the server was started with (not a capture of the runtime's, held for the
+    server's life), so uvicorn's own lines reach it; a body nested 100,000 deep is the envelope's 400."""
+    assert os.stat(f"/proc/{served.proc.pid}/fd/2").st_ino == os.fstat(served.log.fileno()).st_ino
+    got, _ = _raw(served.port, b"NOT HTTP AT ALL\r\n\r\n")
+    assert b" 400 " in got.split(b"\r\n")[0]
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        served.log.seek(0)
+        if "Invalid HTTP request" in served.log.read():
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("uvicorn's warning did not reach the server's log")
+    assert "nested" in _error(_post(served, b"[" * 100_000 + b"]" * 100_000), 400)
+    assert "nested more than 200" in _error(_post(served, json_body=_body(state=json.loads("[" * 300 + "]" * 300))), 400)
+
+
+@pytest.mark.parametrize("raw, field", [
+    (b'{"model": "clef", "state": "a\\ud800", "questions": {"ok": {"type": "noul"}}}', "state"),
+    (b'{"model": "clef\\udfff", "state": "a", "questions": {"ok": {"type": "noul"}}}', "model"),
+    (b'{"model": "clef", "state": "a", "questions": {"o\\ud800k": {"type": "noul"}}}', "questions.o\\ud800k"),
+])
+def test_lone_surrogates_are_400s_naming_the_field(served, raw, field):
+    message = _error(_post(served, raw, headers={"Content-Type": "application/json"}), 400)
+    assert message.startswith(f"{field}: ") and "surrogate" in message
+
+
+def test_a_large_state_is_cut_before_tokenizing_and_the_server_keeps_serving(served):
+    """An 8 MB state: the record is cut to the author's 16,384 tokens (the tiny tokenizer: a token a
+    byte) and said in the answer, /health is answered meanwhile, the next request answered."""
+    import httpx
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        big = pool.submit(_post, served, json_body=_body(state="x" * 8_000_000))
+        health = httpx.get(served.url + "/health", timeout=60)
+        r = big.result()
+    assert health.status_code == 200
+    assert "record has 16384 tokens" in _error(r, 422)  # the tiny head's largest bucket is 4,096 (issue 59)
+    assert _post(served, json_body=_body()).status_code == 200
+
+
+def test_the_request_limits_name_what_was_sent(served):
+    msg = _error(_post(served, json_body=_body(questions={f"q{i}": {"type": "noul"} for i in range(65)})), 422)
+    assert msg.startswith("questions: 65 questions; at most 16"), msg
+    msg = _error(_post(served, json_body=_body(questions={"c": {"type": "choice", "criteria": {f"o{i}": None for i in range(200)}}})), 422)
+    assert msg.startswith("questions: 200 options; at most 128"), msg
+
+
+def test_image_errors_are_their_own_status_and_print_no_address(served):
+    bomb = "data:image/png;base64," + base64.b64encode(_png_bomb()).decode()
+    assert "decompression bomb" in _error(_post(served, json_body=_body(images=[bomb])), 413)
+    junk = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n not really").decode()
+    msg = _error(_post(served, json_body=_body(images=[junk])), 400)
+    assert "0x" not in msg and "object at" not in msg and "Pillow" in msg
+
+
+def test_routes_auth_and_tokens(served, dist):
+    """A trailing slash is a 404 (no redirect built from the client's Host); the bearer scheme in any
+    case; a --token with whitespace refused at start."""
+    r = _post(served, json_body=_body(), path=ROUTE + "/", headers={"Host": "evil.example"})
+    assert "no such route" in _error(r, 404) and "location" not in r.headers
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        assert _post(served, json_body=_body(), headers={"Authorization": f"{scheme} s3cret"}).status_code == 200
+    assert _post(served, json_body=_body(), headers={"Authorization": "Basic s3cret"}).status_code == 401
+    for token in (" s3cret", "s3cret\n", "two words", ""):
+        r = runner.invoke(app, ["serve", str(dist), "--token", token, "--port", "1"])
+        assert r.exit_code == 2 and "--token" in r.output and "whitespace" in r.output, r.output
+
+
+def test_slow_clients_are_timed_out(served):
+    """Headers trickled past 10 s: the connection closed; a body stalled 10 s: 408, then served."""
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        headers = pool.submit(_raw, served.port, b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\n")
+        body = pool.submit(_raw, served.port, b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+                                              b"Content-Length: 100\r\n\r\n{")
+        (got_h, took_h), (got_b, took_b) = headers.result(), body.result()
+    assert got_h == b"" and took_h < 25  # closed, not held
+    assert got_b.startswith(b"HTTP/1.1 408 ") and b"not received in time" in got_b and took_b < 25
+    assert _post(served, json_body=_body()).status_code == 200
+
+
+def test_a_full_queue_is_said_before_a_body_is_read_and_gone_clients_are_dropped(dist):
+    import httpx
+
+    s = Served(dist, "--queue", "1")
+    url = s.url + ROUTE
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            busy = [pool.submit(lambda: httpx.post(url, json=LONG, timeout=120)) for _ in range(2)]
+            time.sleep(0.5)
+            # a 31 MiB body announced and never sent: the queue's 503 comes at once, nothing read
+            got, _ = _raw(s.port, b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 32505856\r\n\r\n", wait=5)
+            assert got.startswith(b"HTTP/1.1 503 ") and b"retry later" in got, got[:200]
+            assert all(f.result().status_code == 200 for f in busy)
+        # clients that hang up while waiting for the model are dropped, not computed
+        before = httpx.get(s.url + "/health").json()["answered"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(lambda: httpx.post(url, json=LONG, timeout=120))
+            time.sleep(0.3)
+            try:
+                httpx.post(url, json=LONG, timeout=0.5)
+            except httpx.TimeoutException:
+                pass
+            assert first.result().status_code == 200
+        time.sleep(1.0)
+        assert httpx.get(s.url + "/health").json()["answered"] == before + 1
+    finally:
+        code, log = s.stop()
+    assert code == 0 and "dropped a request: its client hung up" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("signals, code", [((signal.SIGINT, signal.SIGINT), 130), ((signal.SIGHUP,), 0),
+                                           ((signal.SIGHUP, signal.SIGTERM), 130)])
+def test_a_second_signal_stops_now_and_a_hangup_drains(dist, tmp_path, signals, code):
+    """Two Ctrl-C: every client in flight is told (503), exit 130, no abort, no temp folder left.
+    SIGHUP (a closed terminal): what is in flight is answered, exit 0, nothing left."""
+    import httpx
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    s = Served(dist, env={**os.environ, "TMPDIR": str(tmp)})
+
+    def post():
+        try:
+            return httpx.post(s.url + ROUTE, json=LONG, timeout=60).status_code
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        fs = [pool.submit(post) for _ in range(3)]
+        time.sleep(0.8)
+        for sig in signals:
+            s.proc.send_signal(sig)
+            time.sleep(0.1)
+        s.proc.wait(timeout=120)
+        got, log = s.stop()
+        statuses = [f.result() for f in fs]
+    assert got == code, log[-2000:]
+    if code == 0:
+        assert statuses == [200] * 3, (statuses, log[-2000:])
+    else:
+        assert set(statuses) <= {200, 503} and 503 in statuses, (statuses, log[-2000:])
+    assert list(tmp.iterdir()) == []
+    assert "C++ exception" not in log and "Traceback" not in log
+
+
+# ---------------------------------------------------------------- answer
+
+
+def _answer(dist: Path, requests, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([EXE, "answer", str(dist), "--requests", str(requests), *map(str, extra)], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_answer_a_bad_line_is_its_own_error_and_the_rest_answered(dist, tmp_path):
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_bytes(b"\n".join([
+        b'{"model": "clef", "state": "a\\ud800", "questions": {"ok": {"type": "noul"}}}',
+        b'{"model": "clef", "id": "x\\udfff", "state": ' + b"[" * 990 + b"]" * 990 + b', "questions": {"ok": {"type": "noul"}}}',
+        b'{"model": "clef", "state": ' + b"[" * 300 + b"]" * 300 + b', "questions": {"ok": {"type": "noul"}}}',
+        b"\xff\xfe not utf-8",
+        json.dumps(_body()).encode(),
+    ]) + b"\n")
+    r = _answer(dist, reqs)
+    assert r.returncode == 4, r.stderr[-2000:]
+    got = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["line"] for x in got] == [1, 2, 3, 4, 5]
+    assert [x["error"]["status"] for x in got[:4]] == [400] * 4 and "answers" in got[4]
+    assert "surrogate" in got[0]["error"]["message"] and "nested" in got[1]["error"]["message"]
+    assert "nested more than 200" in got[2]["error"]["message"] and "UTF-8" in got[3]["error"]["message"]
+    assert "unexpected error" not in r.stderr
+
+
+def test_answer_reads_only_what_can_be_read_as_lines(dist, tmp_path):
+    """A device, a folder: refused before any work (exit 2); a FIFO is read; a line past the cap is
+    its own 413 and is never held whole; --out a folder is refused before work."""
+    for bad, says in (("/dev/zero", "not a regular file or a FIFO"), (str(tmp_path), "a folder, not a requests file")):
+        r = _answer(dist, bad)
+        assert r.returncode == 2 and says in r.stderr and "checking" not in r.stderr, r.stderr[-1000:]
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    p = subprocess.Popen([EXE, "answer", str(dist), "--requests", str(fifo)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(fifo, "wb") as f:
+        f.write(b'{"model": "clef", "state": "' + b"x" * (33 * 1024 * 1024) + b'", "questions": {}}\n')
+        f.write(json.dumps(_body()).encode() + b"\n")
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 4, err[-2000:]
+    got = [json.loads(x) for x in out.splitlines()]
+    assert got[0]["error"]["status"] == 413 and "over 33554432 bytes" in got[0]["error"]["message"] and "answers" in got[1]
+    reqs = tmp_path / "r.jsonl"
+    reqs.write_text(json.dumps(_body()) + "\n")
+    r = _answer(dist, reqs, "--out", tmp_path, "--overwrite")
+    assert r.returncode == 2 and "--out is a folder" in r.stderr and "checking" not in r.stderr, r.stderr[-1000:]
