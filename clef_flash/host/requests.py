@@ -56,21 +56,22 @@ def check_text(body: Any) -> None:
     ``\\ud800`` escape decodes to a lone surrogate, which no tokenizer or UTF-8 writer takes):
     ``RequestError`` 400 naming the first field that is not. A loop, not recursion: the body's depth
     is what is being checked."""
-    todo: list[tuple[Any, list[Any]]] = [(body, [])]
+    todo: list[tuple[Any, tuple[Any, ...]]] = [(body, ())]
     while todo:
         value, path = todo.pop()
         if len(path) > MAX_DEPTH:
-            raise RequestError(_where(path[:3]) + "…", f"nested more than {MAX_DEPTH} deep")
+            raise RequestError(_where(list(path[:3])) + "…", f"nested more than {MAX_DEPTH} deep")
         if isinstance(value, str):
             if _SURROGATE.search(value):
-                raise RequestError(safe_text(_where(path)), "holds a lone UTF-16 surrogate (not valid Unicode)")
+                raise RequestError(safe_text(_where(list(path))), "holds a lone UTF-16 surrogate (not valid Unicode)")
         elif isinstance(value, dict):
             for k, v in value.items():
                 if _SURROGATE.search(k):
-                    raise RequestError(safe_text(_where(path + [k])), "a key holds a lone UTF-16 surrogate (not valid Unicode)")
-                todo.append((v, path + [k]))
+                    raise RequestError(safe_text(_where([*path, k])), "a key holds a lone UTF-16 surrogate (not valid Unicode)")
+                if isinstance(v, (str, dict, list)):
+                    todo.append((v, (*path, k)))
         elif isinstance(value, list):
-            todo.extend((v, path + [i]) for i, v in enumerate(value))
+            todo.extend((v, (*path, i)) for i, v in enumerate(value) if isinstance(v, (str, dict, list)))
 
 
 def parse_body(raw: bytes | str) -> Any:
