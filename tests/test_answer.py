@@ -99,7 +99,8 @@ def test_answer_equals_the_authors_within_check_releases_bar(shipped):
             assert f"requests-images.jsonl:{e['line']}: images[0]" in r.stderr
             continue
         ref, mine = e["reference"], got[e["id"]]
-        assert mine["usage"] == ref["usage"]
+        assert {k: mine["usage"][k] for k in ref["usage"]} == ref["usage"]  # the author's counts; total_tokens is Workers AI's
+        assert mine["usage"]["total_tokens"] == mine["usage"]["input_tokens"] + mine["usage"]["output_tokens"]
         for qid, want in ref["answers"].items():
             have = mine["answers"][qid]
             assert have["type"] == want["type"] and have.get("choice") == want.get("choice"), (e["id"], qid)
@@ -351,8 +352,8 @@ def test_serve_token_bind_queue_and_drain(shipped):
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
             rs = list(pool.map(lambda _: httpx.post(url, json=long_body, headers=auth, timeout=300), range(6)))
         codes = sorted(r.status_code for r in rs)
-        assert 200 in codes and 503 in codes, codes
-        assert all(r.headers.get("retry-after") == "1" for r in rs if r.status_code == 503)
+        assert 200 in codes and 429 in codes, codes  # Workers AI's "out of capacity", which the clients back off on
+        assert all(r.headers.get("retry-after") == "1" for r in rs if r.status_code == 429)
         # SIGTERM while a request is in flight: it is answered, then the server exits 0
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(lambda: httpx.post(url, json=long_body, headers=auth, timeout=300))

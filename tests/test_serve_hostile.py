@@ -201,9 +201,9 @@ def test_a_full_queue_is_said_before_a_body_is_read_and_gone_clients_are_dropped
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             busy = [pool.submit(lambda: httpx.post(url, json=LONG, timeout=120)) for _ in range(2)]
             time.sleep(0.5)
-            # a 31 MiB body announced and never sent: the queue's 503 comes at once, nothing read
+            # a 31 MiB body announced and never sent: the queue's 429 comes at once, nothing read
             got, _ = _raw(s.port, b"POST " + ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 32505856\r\n\r\n", wait=5)
-            assert got.startswith(b"HTTP/1.1 503 ") and b"retry later" in got, got[:200]
+            assert got.startswith(b"HTTP/1.1 429 ") and b"retry after 1 s" in got, got[:200]
             assert all(f.result().status_code == 200 for f in busy)
         # clients that hang up while waiting for the model are dropped, not computed
         before = httpx.get(s.url + "/health").json()["answered"]
@@ -304,3 +304,70 @@ def test_answer_reads_only_what_can_be_read_as_lines(dist, tmp_path):
     reqs.write_text(json.dumps(_body()) + "\n")
     r = _answer(dist, reqs, "--out", tmp_path, "--overwrite")
     assert r.returncode == 2 and "--out is a folder" in r.stderr and "checking" not in r.stderr, r.stderr[-1000:]
+
+
+# ---------------------------------------------------------------- the author's route and Workers AI's semantics (issue 59)
+
+
+def test_the_authors_route_speaks_to_clef_rag_on_both_of_its_backends(served, dist, tmp_path, monkeypatch):
+    """clef-rag 0.1.0's own client, at its defaults: the self-hosted backend (``CLEF_BASE_URL``,
+    ``POST /v1/systemone``, the bare SystemOne body) and the workers-ai backend (its ``base_url``
+    at this server's Cloudflare route): each answer equal to ``answer``'s for the body it sent."""
+    import asyncio
+
+    from clef_rag.clef.client import ClefClient, ClefConfig
+    from clef_rag.clef.questions import Choice, Noul, Score
+
+    questions = {"relevant": Noul(instructions="Is this paragraph about furniture damage?"),
+                 "team": Choice(instructions="Owning team?", criteria={"billing": "Charges.", "shipping": "Delivery."}),
+                 "severity": Score(instructions="How bad?", criteria=["low", "mid", "high"])}
+    state = {"paragraph": "The desk came with a cracked leg.", "doc": 3}
+    monkeypatch.setenv("CLEF_API_KEY", "s3cret")
+    monkeypatch.setenv("CLOUDFLARE_API_TOKEN", "s3cret")
+    monkeypatch.setenv("CLOUDFLARE_ACCOUNT_ID", "local")
+
+    async def ask(cfg):
+        async with ClefClient(cfg) as client:
+            return client.build_payload(state, questions), await client.ask(state, questions)
+
+    got = {}
+    for backend, cfg in (("self-hosted", ClefConfig(backend="self-hosted", base_url=served.url, cache_dir=None, max_retries=0)),
+                         ("workers-ai", ClefConfig(backend="workers-ai", base_url=served.url + "/client/v4/accounts/{account_id}/ai/run/@cf/cloudflare",
+                                                   cache_dir=None, max_retries=0))):
+        payload, res = asyncio.run(ask(cfg))
+        reqs = tmp_path / f"{backend}.jsonl"
+        reqs.write_text(json.dumps(payload) + "\n")
+        r = _answer(dist, reqs)
+        assert r.returncode == 0, r.stderr[-2000:]
+        want = json.loads(r.stdout)
+        assert res.input_tokens == want["usage"]["input_tokens"] and res.model == want["model"]
+        assert res.answers["relevant"].noul == want["answers"]["relevant"]["noul"]
+        assert res.answers["team"].choice == want["answers"]["team"]["choice"]
+        assert res.answers["team"].probabilities == want["answers"]["team"]["probabilities"]
+        assert res.answers["severity"].score == want["answers"]["severity"]["score"]
+        got[backend] = res
+    assert got["self-hosted"].answers == got["workers-ai"].answers
+
+
+def test_the_authors_route_bare_body_errors_and_request_ids(served):
+    """``/v1/systemone``: the SystemOne response itself, errors as ``{"error": {type, message, code}}``
+    (clef-rag's own server's form); ``usage.total_tokens``; every answer and error carries a
+    request id, a new one each time."""
+    import httpx
+
+    r = _post(served, json_body=_body(), path="/v1/systemone")
+    body = r.json()
+    assert r.status_code == 200 and set(body) == {"model", "answers", "usage"} and body["model"] == "clef"
+    assert body["usage"] == {"input_tokens": body["usage"]["input_tokens"], "output_tokens": 0,
+                             "total_tokens": body["usage"]["input_tokens"]}
+    wrapped = _post(served, json_body=_body()).json()["result"]
+    assert wrapped == body  # the same answer on either route
+    for r, status, kind in ((_post(served, b"{nope", path="/v1/systemone"), 400, "invalid_request"),
+                            (_post(served, json_body=_body(), path="/v1/systemone", headers={"Authorization": "Bearer no"}), 401, "auth"),
+                            (_post(served, json_body=_body(questions={f"q{i}": {"type": "noul"} for i in range(65)}), path="/v1/systemone"), 422, "invalid_request"),
+                            (_post(served, json_body=_body(), path="/v1/nothing"), 404, "not_found")):
+        err = r.json()["error"]
+        assert r.status_code == status and err["code"] == status and err["type"] == kind and err["message"], r.text[:300]
+    ids = [_post(served, json_body=_body()).headers.get("x-request-id"), _post(served, b"{nope").headers.get("x-request-id"),
+           httpx.get(served.url + "/health").headers.get("x-request-id"), _post(served, b"{}", path="/nowhere").headers.get("x-request-id")]
+    assert all(i and len(i) == 32 for i in ids) and len(set(ids)) == 4, ids

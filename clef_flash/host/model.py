@@ -21,6 +21,11 @@ from .requests import Image, RequestError, check_body, read_image
 STAGES = ("encode", "vision", "decoder", "head", "host")
 
 
+def usage(input_tokens: int) -> dict[str, int]:
+    """A response's usage: the author's two counts, and Workers AI's total (a decision writes no token)."""
+    return {"input_tokens": input_tokens, "output_tokens": 0, "total_tokens": input_tokens}
+
+
 @dataclass
 class Answered:
     response: dict[str, Any]  # the SystemOne response: model, answers, usage
@@ -193,7 +198,7 @@ class ClefHost:
         t = time.perf_counter()
         probs = question_probs(logits, hi.layout)
         response = {"model": body["model"], "answers": answers(body["questions"], enc.questions, probs),
-                    "usage": {"input_tokens": len(enc.ids), "output_tokens": 0}}
+                    "usage": usage(len(enc.ids))}
         seconds["host"] = time.perf_counter() - t
         steps = None
         if keep:

@@ -75,21 +75,62 @@ def _bound(cfg: ServeConfig):
     return sock
 
 
-def envelope(result: Any = None, status: int = 200, message: str | None = None):
+SYSTEMONE = "/v1/systemone"  # the author's own route (its systemone docstring; clef-rag's self-hosted backend)
+REQUEST_ID = "x-request-id"  # on every answer and error: the id the server's log lines carry
+# the bare route's error types, as clef-rag's own server names them (its client branches on 429 alone)
+ERROR_TYPES = {400: "invalid_request", 401: "auth", 404: "not_found", 405: "not_found", 408: "timeout",
+               413: "invalid_request", 422: "invalid_request", 429: "rate_limited", 499: "client_closed",
+               500: "server_error", 503: "unavailable"}
+RETRY_AFTER_S = 1  # a full queue (429) and a stopping server (503): when to try again
+
+
+def envelope(result: Any = None, status: int = 200, message: str | None = None, bare: bool = False):
+    """An answer or an error: in Cloudflare's envelope (``{success, result, errors, messages}``), or
+    ``bare`` (``/v1/systemone``): the SystemOne response itself, an error as ``{"error": {type,
+    message, code}}``."""
     from starlette.responses import JSONResponse
 
     from .requests import safe_text
 
     if message is None:
-        return JSONResponse({"success": True, "result": result, "errors": [], "messages": []})
-    headers = {"Retry-After": "1"} if status == 503 else None
+        return JSONResponse(result if bare else {"success": True, "result": result, "errors": [], "messages": []})
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
     # a message may quote the request's own strings: a lone surrogate in them is written escaped
-    return JSONResponse({"success": False, "result": None, "errors": [{"code": status, "message": safe_text(message)}],
-                         "messages": []}, status_code=status, headers=headers)
+    message = safe_text(message)
+    if bare:
+        body = {"error": {"type": ERROR_TYPES.get(status, "error"), "message": message, "code": status}}
+    else:
+        body = {"success": False, "result": None, "errors": [{"code": status, "message": message}], "messages": []}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def request_ids(app):
+    """ASGI middleware: every response carries ``x-request-id`` (a new one per request), and the
+    request's handlers find it in ``request.state.request_id`` for their log lines."""
+    import uuid
+
+    async def asgi(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (REQUEST_ID.encode(), rid.encode())]}
+            await send(message)
+
+        return await app(scope, receive, sending)
+
+    return asgi
 
 
 class BodyTimeout(Exception):
     """A body that stopped coming (``BODY_IDLE_S``) or came too slowly (``BODY_S``)."""
+
+
+def _rid(request) -> str:
+    return f"request {getattr(request.state, 'request_id', '?')}"
 
 
 class Service:
@@ -157,24 +198,28 @@ class Service:
         finally:
             stop.cancel()
 
-    async def run(self, request):
+    async def run(self, request, bare: bool = False):
+        """One request on either route: Cloudflare's (its envelope) or ``/v1/systemone`` (``bare``)."""
         self.in_handler += 1
         try:
-            return await self._run(request)
+            return await self._run(request, lambda result=None, status=200, message=None:
+                                   envelope(result, status, message, bare=bare))
         finally:
             self.in_handler -= 1
 
-    async def _run(self, request):
+    async def _run(self, request, envelope):
         from .requests import RequestError, parse_body
 
-        if request.path_params["model"] not in MODELS:
-            return envelope(status=404, message=f"model @cf/cloudflare/{request.path_params['model']} not found "
+        model = request.path_params.get("model")
+        if model is not None and model not in MODELS:
+            return envelope(status=404, message=f"model @cf/cloudflare/{model} not found "
                                                 f"(this server answers {', '.join('@cf/cloudflare/' + m for m in MODELS)})")
         if not self.authorised(request):
             return envelope(status=401, message="missing or wrong bearer token (Authorization: Bearer <token>)")
         # the queue said before a body is read: a full server holds no one's 32 MiB
-        if self.waiting > self.cfg.queue:  # one in flight and ``queue`` behind it
-            return envelope(status=503, message=f"{self.waiting - 1} requests waiting behind the one answered; retry later")
+        if self.waiting > self.cfg.queue:  # one in flight and ``queue`` behind it: Workers AI's "out of capacity"
+            return envelope(status=429, message=f"{self.waiting - 1} requests waiting behind the one answered; "
+                                                f"retry after {RETRY_AFTER_S} s")
         self.waiting += 1
         try:
             try:
@@ -189,7 +234,7 @@ class Service:
                 if self.stop_now.is_set():
                     return envelope(status=503, message="the server is stopping now (a second signal); retry elsewhere")
                 self.gone += 1
-                self.log("dropped a request: its client hung up before its turn")
+                self.log(f"dropped a request: its client hung up before its turn ({_rid(request)})")
                 return envelope(status=499, message="client closed the request")
             try:
                 t0 = time.perf_counter()
@@ -206,12 +251,13 @@ class Service:
         except RequestError as exc:
             return envelope(status=exc.status, message=str(exc))
         except Exception as exc:  # the server keeps serving; the request is told
-            self.log(f"request failed: {type(exc).__name__}: {exc}")
+            self.log(f"request failed: {type(exc).__name__}: {exc} ({_rid(request)})")
             return envelope(status=500, message=f"internal error: {type(exc).__name__}")
         finally:
             self.waiting -= 1
         self.answered += 1
-        self.log(f"answered in {time.perf_counter() - t0:.3f} s ({answered.bucket}, {len(answered.encoded.ids)} tokens)")
+        self.log(f"answered in {time.perf_counter() - t0:.3f} s ({answered.bucket}, {len(answered.encoded.ids)} tokens, "
+                 f"{_rid(request)})")
         return envelope(answered.response)
 
     async def health(self, request):
@@ -232,18 +278,25 @@ def app(service_box: dict[str, Any], log):
     async def run(request):
         return await service_box["service"].run(request)
 
+    async def systemone(request):
+        return await service_box["service"].run(request, bare=True)
+
     async def health(request):
         return await service_box["service"].health(request)
 
+    def bare(request) -> bool:  # the author's route speaks its own error form
+        return request.url.path.startswith("/v1/")
+
     async def not_found(request, exc: HTTPException):
         if exc.status_code == 405:
-            return envelope(status=405, message=f"{request.method} {request.url.path}: method not allowed")
+            return envelope(status=405, message=f"{request.method} {request.url.path}: method not allowed", bare=bare(request))
         return envelope(status=404, message=f"{request.url.path}: no such route (POST "
-                                            f"{PREFIX}/accounts/<account>/ai/run/@cf/cloudflare/<clef|clef-flash>)")
+                                            f"{PREFIX}/accounts/<account>/ai/run/@cf/cloudflare/<clef|clef-flash>, "
+                                            f"or POST {SYSTEMONE})", bare=bare(request))
 
     async def failed(request, exc: Exception):  # whatever a handler did not expect: the envelope, and the log says it
-        log(f"request failed: {type(exc).__name__}: {str(exc)[:200]}")
-        return envelope(status=500, message=f"internal error: {type(exc).__name__}")
+        log(f"request failed: {type(exc).__name__}: {str(exc)[:200]} ({_rid(request)})")
+        return envelope(status=500, message=f"internal error: {type(exc).__name__}", bare=bare(request))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -262,11 +315,12 @@ def app(service_box: dict[str, Any], log):
                 stop_now("stopped at a second signal: the requests in flight were told 503")
 
     route = "/accounts/{account}/ai/run/@cf/cloudflare/{model}"
-    routes = [Route(p + route, run, methods=["POST"]) for p in (PREFIX, "")] + [Route("/health", health, methods=["GET"])]
+    routes = [Route(p + route, run, methods=["POST"]) for p in (PREFIX, "")] + [
+        Route(SYSTEMONE, systemone, methods=["POST"]), Route("/health", health, methods=["GET"])]
     star = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: not_found, Exception: failed})
     # no redirect for a trailing slash: its Location would be built from the client's own Host header
     star.router.redirect_slashes = False
-    return star
+    return request_ids(star)
 
 
 def protocol():
