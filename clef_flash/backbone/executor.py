@@ -150,9 +150,10 @@ class TorchDecoder:
         self._empty = torch.empty(0, dtype=torch.float16)
 
     def _layer_weights(self, i: int) -> dict[str, Any]:
-        """Layer ``i``'s matrices on the device in the compute dtype (kept where the device holds them all)."""
-        import torch
-
+        """Layer ``i``'s matrices on the device as stored (fp16: a view of the mapped file on a CPU;
+        a compressed one dequantized to fp16), kept where the device holds them all. The graph
+        widens each to the compute dtype where it is used (``graph._mat``: an exact cast), so one
+        fp32 matrix is alive at a time, not a layer's (0.8 GB at the 9B's width)."""
         prefix = f"{LM}layers.{i}."
         out = {}
         for w in self.weights.map.weights:
@@ -160,7 +161,7 @@ class TorchDecoder:
                 if w.name in self._held:
                     out[w.name] = self._held[w.name]
                     continue
-                t = self.weights.tensor(w.name).to(self.device.torch_device).to(self.dtype)
+                t = self.weights.tensor(w.name).to(self.device.torch_device)
                 out[w.name] = t
                 if self.device.hold:
                     self._held[w.name] = t
