@@ -612,15 +612,18 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="The address to bind (beyond loopback only with --token).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port")] = 8000,
     token: Annotated[Optional[str], typer.Option("--token", envvar="CLEF_SERVE_TOKEN", help="Every request must carry Authorization: Bearer <token>.")] = None,
-    queue: Annotated[int, typer.Option("--queue", help="Requests waiting behind the one answered, past which the server answers 503 with Retry-After.")] = 64,
+    queue: Annotated[int, typer.Option("--queue", help="Requests waiting behind the one answered, past which the server answers 429 with Retry-After.")] = 64,
     cache: Annotated[Optional[Path], typer.Option("--cache", help="Where a published release is downloaded (default: the Hub's cache).")] = None,
     engine: EngineOpt = "auto",
     device: EngineDeviceOpt = "auto",
+    recycle_growth: Annotated[float, typer.Option("--recycle-growth", help="Replace the worker process that holds the assets once its memory grew this fraction past what it held after its first answer (between two requests; none lost).")] = 0.05,
+    recycle_after: Annotated[int, typer.Option("--recycle-after", help="Replace the worker after this many answers as well (0: by memory only).")] = 0,
 ) -> None:
     """Serve the release on Cloudflare's route and envelope (POST [/client/v4]/accounts/<account>/ai/run/@cf/cloudflare/<clef|clef-flash>, GET /health); SIGINT / SIGTERM finish what is in flight and exit 0."""
     from .host.server import ServeConfig, serve as serve_release
 
-    cfg = ServeConfig(dist=dist, host=host, port=port, token=token, queue=queue, cache=cache, engine=engine, device=device)
+    cfg = ServeConfig(dist=dist, host=host, port=port, token=token, queue=queue, cache=cache, engine=engine, device=device,
+                      recycle_growth=recycle_growth, recycle_after=recycle_after)
     result = _run(lambda: serve_release(cfg, log=_log))
     _log(f"stopped after {plural(result['answered'], 'answer')}")
 

@@ -317,7 +317,7 @@ def test_serve_errors_each_with_its_status_and_keeps_serving(shipped, served):
         (httpx.post(url, json=_body(0, images=["/etc/passwd"]), timeout=60), 400, "images[0]"),
         (httpx.post(url, json=_body(0, images=["http://127.0.0.1:1/x.png"]), timeout=60), 400, "never fetched"),
         (httpx.post(served.url + "/client/v4/accounts/a/ai/run/@cf/cloudflare/llama", json=_body(0), timeout=60), 404, "not found"),
-        (httpx.post(served.url + "/v1/chat", json=_body(0), timeout=60), 404, "no such route"),
+        (httpx.post(served.url + "/chat/completions", json=_body(0), timeout=60), 404, "no such route"),  # /v1/...: the bare form
         (httpx.post(url, json={**_body(0), "questions": {f"q{i}": {"type": "noul"} for i in range(17)}}, timeout=60), 422, "at most 16"),
         (httpx.post(url, content=b"x" * (33 * 1024 * 1024), timeout=60), 413, "body: over"),
     ]

@@ -29,7 +29,7 @@ class RequestError(ValueError):
 
     def __init__(self, field: str, message: str, status: int = 400):
         super().__init__(f"{field}: {message}")
-        self.field, self.status = field, status
+        self.field, self.status, self.reason = field, status, message
 
 
 @dataclass(frozen=True)

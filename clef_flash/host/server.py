@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import shutil
 import signal
 import time
 from dataclasses import dataclass
@@ -42,6 +43,11 @@ class ServeConfig:
     cache: Any = None
     engine: str = "auto"  # the decoder's engine (backbone.executor.choose_engine)
     device: str = "auto"  # the torch engine's device
+    # the worker holding the assets is replaced once its memory grew this fraction past what it held
+    # after its first answer (the runtime's ~17 KiB a call, never given back), or after this many
+    # answers (0: not by count)
+    recycle_growth: float = 0.05
+    recycle_after: int = 0
 
 
 def check_bind(cfg: ServeConfig) -> None:
@@ -58,6 +64,8 @@ def check_bind(cfg: ServeConfig) -> None:
         raise UsageError(f"--port {cfg.port}: not a port")
     if cfg.queue < 1:
         raise UsageError(f"--queue {cfg.queue}: at least 1")
+    if not 0 < cfg.recycle_growth or cfg.recycle_after < 0:
+        raise UsageError("--recycle-growth must be above 0 and --recycle-after at least 0")
 
 
 def _bound(cfg: ServeConfig):
@@ -136,8 +144,9 @@ def _rid(request) -> str:
 class Service:
     """The model and its queue: requests are answered one at a time, at most ``queue`` waiting."""
 
-    def __init__(self, cfg: ServeConfig, dist, host, log):
-        self.cfg, self.dist, self.host, self.log = cfg, dist, host, log
+    def __init__(self, cfg: ServeConfig, dist, worker, log):
+        self.cfg, self.dist, self.worker, self.log = cfg, dist, worker, log
+        self.workers = 1  # started so far (a recycled or dead one replaced)
         self.lock = asyncio.Lock()
         self.waiting = 0  # requests past the queue check: reading their body, waiting, or answered now
         self.answered = 0
@@ -209,6 +218,7 @@ class Service:
 
     async def _run(self, request, envelope):
         from .requests import RequestError, parse_body
+        from .worker import WorkerGone
 
         model = request.path_params.get("model")
         if model is not None and model not in MODELS:
@@ -238,14 +248,22 @@ class Service:
                 return envelope(status=499, message="client closed the request")
             try:
                 t0 = time.perf_counter()
-                answering = asyncio.ensure_future(self.host.answer(body))
+                answering = asyncio.ensure_future(self.worker.answer(body))
                 stop = asyncio.ensure_future(self.stop_now.wait())
                 await asyncio.wait({answering, stop}, return_when=asyncio.FIRST_COMPLETED)
                 stop.cancel()
                 if not answering.done():  # the process ends in a moment: its client told now
                     answering.add_done_callback(lambda f: f.cancelled() or f.exception())
                     return envelope(status=503, message="the server is stopping now (a second signal); retry elsewhere")
-                answered = answering.result()
+                try:
+                    answered = answering.result()
+                    took = time.perf_counter() - t0
+                except WorkerGone as exc:
+                    self.log(f"{exc} ({_rid(request)}); starting a new one")
+                    await self._replace()
+                    return envelope(status=500, message="internal error: the worker running the model ended mid-request; "
+                                                        "a new one answers the next request")
+                await self._recycle()
             finally:
                 self.lock.release()
         except RequestError as exc:
@@ -256,15 +274,34 @@ class Service:
         finally:
             self.waiting -= 1
         self.answered += 1
-        self.log(f"answered in {time.perf_counter() - t0:.3f} s ({answered.bucket}, {len(answered.encoded.ids)} tokens, "
+        self.log(f"answered in {took:.3f} s ({answered.bucket}, {answered.tokens} tokens, "
                  f"{_rid(request)})")
         return envelope(answered.response)
+
+    async def _recycle(self) -> None:
+        """Between two requests (the lock held): the worker replaced once it grew past the mark."""
+        grown, w = self.worker.grown(), self.worker
+        by_count = self.cfg.recycle_after and w.answered >= self.cfg.recycle_after
+        if by_count or (grown is not None and grown > self.cfg.recycle_growth):
+            why = f"{w.answered} answers" if by_count else f"its memory grew {100 * grown:.1f} % since its first answer"
+            self.log(f"replacing the worker (pid {w.proc.pid}): {why}")
+            await self._replace()
+
+    async def _replace(self) -> None:
+        from .worker import Worker
+
+        await self.worker.stop()
+        fresh = Worker(self.worker.spec, self.worker.scratch, self.log)
+        await fresh.start()
+        self.worker = fresh
+        self.workers += 1
 
     async def health(self, request):
         from starlette.responses import JSONResponse
 
         return JSONResponse({"status": "ready", "bundles": self.dist.digests(), "waiting": self.waiting,
-                             "answered": self.answered, "engine": self.host.engine.describe()})
+                             "answered": self.answered, "engine": self.worker.engine,
+                             "worker": {"pid": self.worker.proc.pid, "answered": self.worker.answered, "started": self.workers}})
 
 
 def app(service_box: dict[str, Any], log):
@@ -300,19 +337,29 @@ def app(service_box: dict[str, Any], log):
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        from .model import ClefHost
+        from ..interrupts import removed_at_a_forced_stop, stop_now
+        from ..tmpdirs import owned_folder
+        from .worker import Worker, WorkerSpec
 
-        cfg = service_box["config"]
-        async with ClefHost(service_box["dist"], cfg.engine, cfg.device) as host:
-            service_box["service"] = Service(cfg, service_box["dist"], host, log)
-            log(f"decoder: {host.engine.describe()} ({host.choice.why})")
+        cfg, dist = service_box["config"], service_box["dist"]
+        # the workers' temp folders (the runtime's compiled copies) in one of the server's own: a stop
+        # that cannot wait for a worker removes it whole
+        scratch = owned_folder(None, "workers")
+        removed_at_a_forced_stop(scratch)
+        worker = Worker(WorkerSpec(dist.root, dist.sums, cfg.engine, cfg.device), scratch, log)
+        try:
+            await worker.start()
+            service = service_box["service"] = Service(cfg, dist, worker, log)
+            log(f"decoder: {worker.engine} ({worker.why}); the assets in worker pid {worker.proc.pid}")
             log(f"ready: http://{cfg.host}:{cfg.port}/health")
             yield
-            if service_box["service"].stop_now.is_set():
-                from ..interrupts import stop_now
-
-                # a call may still be running in the runtime: tearing it down aborts the process
+            if service.stop_now.is_set():
                 stop_now("stopped at a second signal: the requests in flight were told 503")
+            await service.worker.stop()
+        finally:
+            await (service_box["service"].worker if "service" in service_box else worker).stop()
+            shutil.rmtree(scratch, ignore_errors=True)
+            removed_at_a_forced_stop(scratch, keep=False)
 
     route = "/accounts/{account}/ai/run/@cf/cloudflare/{model}"
     routes = [Route(p + route, run, methods=["POST"]) for p in (PREFIX, "")] + [
