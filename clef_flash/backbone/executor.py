@@ -180,6 +180,7 @@ class TorchDecoder:
         """The record's hidden rows ``[T, hidden]`` (fp32); ``progress(layer)`` after each layer."""
         import torch
 
+        from ..engine.streamed_weights import trim_freed_memory
         from ..interrupts import refuse_if_interrupted
         from .host import chunk_inputs
 
@@ -209,6 +210,7 @@ class TorchDecoder:
                 for name in layer:
                     m._buffers[m._buffer[name]] = self._empty  # noqa: SLF001 (let go)
                 del layer, s
+                trim_freed_memory(collect=False)  # the layer's heap back to the kernel before the next
                 if progress is not None:
                     progress(i)
             out = [m._norm(c[0], f"{LM}norm.weight").float().reshape(lang.prefill_chunk, -1).cpu() for c in chunks]  # noqa: SLF001

@@ -4,7 +4,6 @@ How it works: docs/modules.md."""
 
 from __future__ import annotations
 
-import gc
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -375,7 +374,9 @@ def _references(cfg: BackboneVerifyConfig, asset: Path, source: Path, records, i
                 wants[(arm, name)] = ref.rows(records[name], images.get(name))
                 tick()
             del ref
-    gc.collect()
+    from ..engine.streamed_weights import trim_freed_memory
+
+    trim_freed_memory()  # the reference's freed heap back to the kernel, not kept under the engine's run
     return refs, wants
 
 
