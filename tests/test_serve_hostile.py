@@ -216,7 +216,8 @@ def test_a_full_queue_is_said_before_a_body_is_read_and_gone_clients_are_dropped
                 pass
             assert first.result().status_code == 200
         time.sleep(1.0)
-        assert httpx.get(s.url + "/health").json()["answered"] == before + 1
+        health = httpx.get(s.url + "/health").json()
+        assert health["answered"] == before + 1 and health["dropped"] == 1
     finally:
         code, log = s.stop()
     assert code == 0 and "dropped a request: its client hung up" in log, log[-2000:]

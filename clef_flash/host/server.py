@@ -300,7 +300,7 @@ class Service:
         from starlette.responses import JSONResponse
 
         return JSONResponse({"status": "ready", "bundles": self.dist.digests(), "waiting": self.waiting,
-                             "answered": self.answered, "engine": self.worker.engine,
+                             "answered": self.answered, "dropped": self.gone, "engine": self.worker.engine,
                              "worker": {"pid": self.worker.proc.pid, "answered": self.worker.answered, "started": self.workers}})
 
 
