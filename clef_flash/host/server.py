@@ -246,6 +246,7 @@ class Service:
                 self.gone += 1
                 self.log(f"dropped a request: its client hung up before its turn ({_rid(request)})")
                 return envelope(status=499, message="client closed the request")
+            replace = None  # why the worker is replaced once this request is answered (the lock handed over)
             try:
                 t0 = time.perf_counter()
                 answering = asyncio.ensure_future(self.worker.answer(body))
@@ -259,13 +260,15 @@ class Service:
                     answered = answering.result()
                     took = time.perf_counter() - t0
                 except WorkerGone as exc:
-                    self.log(f"{exc} ({_rid(request)}); starting a new one")
-                    await self._replace()
+                    replace = f"{exc} ({_rid(request)})"
                     return envelope(status=500, message="internal error: the worker running the model ended mid-request; "
                                                         "a new one answers the next request")
-                await self._recycle()
+                replace = self._worn()
             finally:
-                self.lock.release()
+                if replace is None or self.stop_now.is_set():
+                    self.lock.release()
+                else:  # this client is answered now; the next request waits for the new worker
+                    asyncio.ensure_future(self._replace(replace))
         except RequestError as exc:
             return envelope(status=exc.status, message=str(exc))
         except Exception as exc:  # the server keeps serving; the request is told
@@ -278,23 +281,32 @@ class Service:
                  f"{_rid(request)})")
         return envelope(answered.response)
 
-    async def _recycle(self) -> None:
-        """Between two requests (the lock held): the worker replaced once it grew past the mark."""
+    def _worn(self) -> str | None:
+        """Why the worker is to be replaced now (grown past the mark, or its answers counted), or None."""
         grown, w = self.worker.grown(), self.worker
-        by_count = self.cfg.recycle_after and w.answered >= self.cfg.recycle_after
-        if by_count or (grown is not None and grown > self.cfg.recycle_growth):
-            why = f"{w.answered} answers" if by_count else f"its memory grew {100 * grown:.1f} % since its first answer"
-            self.log(f"replacing the worker (pid {w.proc.pid}): {why}")
-            await self._replace()
+        if self.cfg.recycle_after and w.answered >= self.cfg.recycle_after:
+            return f"{w.answered} answers"
+        if grown is not None and grown > self.cfg.recycle_growth:
+            return f"its memory grew {100 * grown:.1f} % since its first answer"
+        return None
 
-    async def _replace(self) -> None:
+    async def _replace(self, why: str) -> None:
+        """A new worker in place of the current one, the model's lock held throughout (taken by the
+        request that found the worker worn or dead) and released at the end: the requests behind
+        wait, none is lost or answered twice."""
         from .worker import Worker
 
-        await self.worker.stop()
-        fresh = Worker(self.worker.spec, self.worker.scratch, self.log)
-        await fresh.start()
-        self.worker = fresh
-        self.workers += 1
+        try:
+            self.log(f"replacing the worker (pid {self.worker.proc.pid}): {why}")
+            await self.worker.stop()
+            fresh = Worker(self.worker.spec, self.worker.scratch, self.log)
+            await fresh.start()
+            self.worker = fresh
+            self.workers += 1
+        except Exception as exc:  # the next request finds the worker gone and tries again
+            self.log(f"the new worker did not start: {type(exc).__name__}: {exc}")
+        finally:
+            self.lock.release()
 
     async def health(self, request):
         from starlette.responses import JSONResponse
@@ -355,7 +367,8 @@ def app(service_box: dict[str, Any], log):
             yield
             if service.stop_now.is_set():
                 stop_now("stopped at a second signal: the requests in flight were told 503")
-            await service.worker.stop()
+            async with service.lock:  # a replacement under way (it holds the lock) finishes first
+                await service.worker.stop()
         finally:
             await (service_box["service"].worker if "service" in service_box else worker).stop()
             shutil.rmtree(scratch, ignore_errors=True)
