@@ -616,7 +616,7 @@ def serve(
     cache: Annotated[Optional[Path], typer.Option("--cache", help="Where a published release is downloaded (default: the Hub's cache).")] = None,
     engine: EngineOpt = "auto",
     device: EngineDeviceOpt = "auto",
-    recycle_growth: Annotated[float, typer.Option("--recycle-growth", help="Replace the worker process that holds the assets once its memory grew this fraction past what it held after its first answer (between two requests; none lost).")] = 0.05,
+    recycle_growth: Annotated[float, typer.Option("--recycle-growth", help="Replace the worker process that holds the assets once its memory grew this fraction past what it held after its first 10 answers (between two requests; none lost).")] = 0.05,
     recycle_after: Annotated[int, typer.Option("--recycle-after", help="Replace the worker after this many answers as well (0: by memory only).")] = 0,
 ) -> None:
     """Serve the release on Cloudflare's route and envelope (POST [/client/v4]/accounts/<account>/ai/run/@cf/cloudflare/<clef|clef-flash>, GET /health); SIGINT / SIGTERM finish what is in flight and exit 0."""

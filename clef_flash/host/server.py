@@ -44,8 +44,8 @@ class ServeConfig:
     engine: str = "auto"  # the decoder's engine (backbone.executor.choose_engine)
     device: str = "auto"  # the torch engine's device
     # the worker holding the assets is replaced once its memory grew this fraction past what it held
-    # after its first answer (the runtime's ~17 KiB a call, never given back), or after this many
-    # answers (0: not by count)
+    # after its warm-up (worker.WARM_AFTER answers; the runtime's ~17 KiB a call, never given back),
+    # or after this many answers (0: not by count)
     recycle_growth: float = 0.05
     recycle_after: int = 0
 
@@ -283,11 +283,13 @@ class Service:
 
     def _worn(self) -> str | None:
         """Why the worker is to be replaced now (grown past the mark, or its answers counted), or None."""
+        from .worker import WARM_AFTER
+
         grown, w = self.worker.grown(), self.worker
         if self.cfg.recycle_after and w.answered >= self.cfg.recycle_after:
             return f"{w.answered} answers"
         if grown is not None and grown > self.cfg.recycle_growth:
-            return f"its memory grew {100 * grown:.1f} % since its first answer"
+            return f"its memory grew {100 * grown:.1f} % since its {WARM_AFTER}th answer"
         return None
 
     async def _replace(self, why: str) -> None:

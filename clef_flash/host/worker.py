@@ -24,6 +24,10 @@ from .requests import RequestError
 PARENT_ENV = "CLEF_EXPORT_SERVE_PARENT"
 _HEADER = struct.Struct(">Q")
 STOP_S = 10.0  # a worker asked to stop that has not, by then, is killed
+# the worker's memory mark is taken after this many answers: its first requests load what later
+# ones reuse (a tower function a bucket, the allocator's pools); measured from its first answer, a
+# tiny worker was replaced every ~10 requests for that warm-up, not for the runtime's growth
+WARM_AFTER = 10
 
 
 class WorkerGone(Exception):
@@ -68,7 +72,7 @@ class Worker:
         self.engine = ""  # what runs its decoder (backbone.executor.EngineInfo.describe)
         self.why = ""
         self.answered = 0
-        self.base: int | None = None  # its memory after its first answer: the mark grows from there
+        self.base: int | None = None  # its memory after WARM_AFTER answers: the mark grows from there
 
     async def start(self) -> None:
         env = {**os.environ, "TMPDIR": str(self.scratch), PARENT_ENV: str(os.getpid())}
@@ -107,12 +111,12 @@ class Worker:
         if kind == "failed":
             raise RuntimeError(rest[0])
         self.answered += 1
-        if self.base is None:
+        if self.answered == WARM_AFTER:
             self.base = anon_bytes(self.proc.pid)
         return Reply(*rest)
 
     def grown(self) -> float | None:
-        """Its memory's growth since its first answer, as a fraction (None where unknown)."""
+        """Its memory's growth since its mark was taken, as a fraction (None before, or where unknown)."""
         now = anon_bytes(self.proc.pid) if self.proc is not None else None
         return None if now is None or not self.base else now / self.base - 1.0
 
