@@ -90,6 +90,7 @@ ERROR_TYPES = {400: "invalid_request", 401: "auth", 404: "not_found", 405: "not_
                413: "invalid_request", 422: "invalid_request", 429: "rate_limited", 499: "client_closed",
                500: "server_error", 503: "unavailable"}
 RETRY_AFTER_S = 1  # a full queue (429) and a stopping server (503): when to try again
+STOPPING = "the server is stopping now (a second signal); retry elsewhere"
 
 
 def envelope(result: Any = None, status: int = 200, message: str | None = None, bare: bool = False):
@@ -242,7 +243,7 @@ class Service:
             body = await asyncio.to_thread(parse_body, raw)  # megabytes of JSON: off the event loop
             if not await self._turn(request):
                 if self.stop_now.is_set():
-                    return envelope(status=503, message="the server is stopping now (a second signal); retry elsewhere")
+                    return envelope(status=503, message=STOPPING)
                 self.gone += 1
                 self.log(f"dropped a request: its client hung up before its turn ({_rid(request)})")
                 return envelope(status=499, message="client closed the request")
@@ -255,7 +256,7 @@ class Service:
                 stop.cancel()
                 if not answering.done():  # the process ends in a moment: its client told now
                     answering.add_done_callback(lambda f: f.cancelled() or f.exception())
-                    return envelope(status=503, message="the server is stopping now (a second signal); retry elsewhere")
+                    return envelope(status=503, message=STOPPING)
                 try:
                     answered = answering.result()
                     took = time.perf_counter() - t0
@@ -370,8 +371,8 @@ def app(service_box: dict[str, Any], log):
             if service.stop_now.is_set():
                 stop_now("stopped at a second signal: the requests in flight were told 503")
             async with service.lock:  # a replacement under way (it holds the lock) finishes first
-                await service.worker.stop()
-        finally:
+                pass
+        finally:  # the worker of the moment stopped, once
             await (service_box["service"].worker if "service" in service_box else worker).stop()
             shutil.rmtree(scratch, ignore_errors=True)
             removed_at_a_forced_stop(scratch, keep=False)
