@@ -536,6 +536,7 @@ def check_release_cmd(
     dtype: Annotated[str, typer.Option("--dtype", help="The author's model dtype: float32 or bfloat16.")] = "float32",
     backbone: Annotated[Optional[Path], typer.Option("--backbone", help="A backbone bundle of this release: its asset computes the hidden rows the head reads.")] = None,
     vision: Annotated[Optional[Path], typer.Option("--vision", help="A vision bundle of this release (with --backbone): its asset computes an image request's image rows at the image's native grid.")] = None,
+    stream: Annotated[str, typer.Option("--stream", help="Run the author's model with one decoder layer's weights in memory at a time (text requests only): on, off, or auto (past 1e9 parameters: the 9B).")] = "auto",
     red: Annotated[Optional[str], typer.Option("--red", help="Perturb the shipped path (spans: one token late; lexical: another table's rows; state: the backbone's states reset every chunk; image: the image's rows zeroed); the run must fail.")] = None,
     transcript: Annotated[Optional[Path], typer.Option("--transcript", help="Write the JSON transcript here.")] = None,
     engine: EngineOpt = "auto",
@@ -547,7 +548,7 @@ def check_release_cmd(
     from .check import CheckConfig, check_release
 
     cfg = CheckConfig(release=release, bundle=bundle, table=table, requests=requests, device=device, dtype=dtype, red=red,
-                      backbone=backbone, vision=vision, engine=engine, engine_device=engine_device)
+                      backbone=backbone, vision=vision, engine=engine, engine_device=engine_device, stream=stream)
     _run(lambda: _check_out_file(transcript, "--transcript"))  # before the run, not after it
     report = _run(lambda: check_release(cfg, log=_log))
     human = _human(json_out)

@@ -84,6 +84,43 @@ def test_the_shipped_head_answers_the_request_set_like_the_author(tmp_path, tiny
     assert t["bar"]["reason"] and t["table"]["built"] is True and t["versions"]["transformers"] != "missing"
 
 
+def test_the_author_streamed_a_layer_at_a_time_answers_as_the_whole_model(tmp_path, tiny_release, monkeypatch):
+    """``--stream on`` (what ``auto`` takes for the 9B): the author's ``systemone`` on transformers'
+    own text model with one layer's weights read where it runs, and the lm_head rows read from the
+    file: the same answers as the whole model the author loads, and no layer's weight left behind."""
+    rel, bundle = tiny_release
+    got = {}
+    for mode in ("off", "on"):
+        out = tmp_path / f"{mode}.json"
+        r = invoke("check-release", rel, "--bundle", bundle, "--stream", mode, "--transcript", out)
+        assert r.exit_code == 0, r.output[-3000:]
+        got[mode] = json.loads(out.read_text())
+    assert "backbone streamed a layer at a time" in r.stderr
+    on, off = ({e["id"]: e for e in got[m]["requests"]} for m in ("on", "off"))
+    assert len(on) == len(off) and sum("reference" in e for e in on.values()) >= 24
+    for k, e in off.items():  # the same arithmetic in the same order: equal, not near
+        assert on[k].get("reference") == e.get("reference"), k
+    assert any(c["detail"].startswith("streamed") for c in got["on"]["checks"] if c["check"] == "author's model")
+    # the stand-in takes what the author's model reads of it, and refuses what it does not hold
+    import torch
+
+    from clef_flash.check.streamed_reference import FileRows, StreamedBackbone, streams
+
+    assert streams(rel, "auto") is False and streams(rel, "on") is True  # a tiny release is loaded whole
+    b = StreamedBackbone(rel, torch.float32, "cpu")
+    assert isinstance(b.get_output_embeddings().weight, FileRows) and list(b.parameters()) == []
+    ids = torch.tensor([[5, 9, 300, 7]])
+    rows = b.get_output_embeddings().weight[ids[0, 1:3]]
+    assert rows.dtype == torch.float32 and rows.shape == (2, 64)
+    out = b.model.language_model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, return_dict=True)
+    assert out.last_hidden_state.shape == (1, 4, 64) and torch.isfinite(out.last_hidden_state).all()
+    assert all(p.device.type == "meta" for p in b.model.language_model.streamed.model.layers.parameters())
+    with pytest.raises(ValueError, match="text requests only"):
+        b.model.language_model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.zeros(1))
+    r = invoke("check-release", rel, "--bundle", bundle, "--stream", "sometimes")
+    assert r.exit_code == 2 and "--stream must be auto, on or off" in r.output
+
+
 @pytest.mark.parametrize("delay", [0.3, 1.5])
 def test_ctrl_c_in_check_release_is_exit_130_and_nothing_written(tmp_path, tiny_release, delay):
     """Issue 48 item 5: Ctrl-C from the first moment of check-release (once 1.5 s in printed a

@@ -39,6 +39,7 @@ class CheckConfig:
     engine: str = "auto"  # what runs the backbone asset (backbone.executor.choose_engine)
     engine_device: str = "auto"  # the torch engine's device
     vision: Path | None = None  # a vision bundle of this release: its asset computes an image's rows
+    stream: str = "auto"  # the author's model a layer at a time (streamed_reference.STREAMS)
 
 
 @dataclass
@@ -154,6 +155,8 @@ def _check_options(cfg: CheckConfig, release: Path, bundle: Path) -> None:
         raise UsageError(f"--red must be one of {', '.join(RED_ARMS)}, got {cfg.red!r}")
     if cfg.dtype not in BARS:
         raise UsageError(f"--dtype must be one of {', '.join(BARS)}, got {cfg.dtype!r}")
+    if cfg.stream not in ("auto", "on", "off"):
+        raise UsageError(f"--stream must be auto, on or off, got {cfg.stream!r}")
     if cfg.red == "state" and cfg.backbone is None:
         raise UsageError("--red state perturbs the backbone's host loop: it needs --backbone")
     if cfg.red == "image" and (cfg.backbone is None or cfg.vision is None):
@@ -168,6 +171,15 @@ def _check_options(cfg: CheckConfig, release: Path, bundle: Path) -> None:
     if not release.is_dir():
         raise UsageError(f"{release}: release folder not found")
     _check_kinds(bundle, cfg.backbone, cfg.vision)  # a bundle passed in another's place: said at once, by name
+
+
+def _streamed(cfg: CheckConfig, release: Path, log):
+    """The backbone stand-in that holds one layer at a time, where ``--stream`` says so (or None)."""
+    import torch
+
+    from .streamed_reference import StreamedBackbone, streams
+
+    return StreamedBackbone(release, getattr(torch, cfg.dtype), cfg.device, log) if streams(release, cfg.stream) else None
 
 
 def _open_shipped(cfg: CheckConfig, release: Path, bundle: Path) -> _Shipped:
@@ -386,7 +398,8 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="clef-check-") as tmp:
         table, table_info = head_part.table(cfg.table, release, Path(tmp), side.config.hidden_size, log)
-        ref_model = Reference(release, side.module, side.config, side.state, device=cfg.device, dtype=cfg.dtype, log=log)
+        ref_model = Reference(release, side.module, side.config, side.state, device=cfg.device, dtype=cfg.dtype,
+                              streamed=_streamed(cfg, release, log), log=log)
         shipped_table = head_part.NextRowTable(table) if cfg.red == "lexical" else table
         t0 = time.perf_counter()
         entries, seen_by, prepared = _reference_pass(cfg, requests, ref_model, side, refused)
@@ -408,6 +421,8 @@ def check_release(cfg: CheckConfig, log=lambda msg: None) -> CheckReport:
     tally = head_part.compare_all(requests, entries, jobs, logits, side.bar)
     side.checks.append(("release head = bundle's source", True, f"{side.manifest.head.source.hf_id}"))
     side.checks.append(("lexical table", True, f"{table_info['table']} ({table_info['source_file']})"))
+    side.checks.append(("author's model", True, "streamed a layer at a time (--stream)" if ref_model.streamed else
+                        "transformers' whole model, as the author loads it"))
     seconds["total"] = time.perf_counter() - t_start
     summary = _summary(side, entries, tally, seconds)
     transcript = _transcript(cfg, side, entries, tally, table_info, summary)

@@ -46,7 +46,8 @@ def host_prompt_equal(ref_model, body: dict[str, Any], seen, tokens: int) -> boo
 def image_not_run(ref_model, backbone, vision) -> str | None:
     """Why an image request is listed as not run here, or None."""
     if not getattr(ref_model, "images", False):
-        return "the release has no preprocessor_config.json nor processor_config.json: its processor cannot take images"
+        return getattr(ref_model, "why_no_images", None) or \
+            "the release has no preprocessor_config.json nor processor_config.json: its processor cannot take images"
     if backbone is not None and vision is None:
         return "an image request through --backbone needs --vision (the tower asset computes the image's rows)"
     if backbone is not None and backbone.manifest.interface.vision is None:

@@ -13,6 +13,8 @@ import numpy as np
 
 from ..errors import IntegrityError, ToolchainError, UsageError
 
+WHY_NO_IMAGES = "the author's model is streamed a layer at a time (check-release --stream): text requests only"
+
 TRANSFORMERS_MIN = (5, 10, 2)
 EXTRA = "pip install 'clef-export[reference]'"
 DTYPES = ("float32", "bfloat16")
@@ -95,7 +97,10 @@ class Reference:
     """The author's model of one release folder on one device, answering requests with ``systemone``."""
 
     def __init__(self, release: Path, module: Any, config: Any, state: dict[str, Any], *, device: str, dtype: str,
-                 log=lambda msg: None):
+                 streamed: Any = None, log=lambda msg: None):
+        """``streamed``: a stand-in for the backbone that holds one decoder layer's weights at a time
+        (``check.streamed_reference.StreamedBackbone``: text requests only), or None: transformers'
+        whole model, as the author loads it."""
         import torch
         from transformers import AutoTokenizer, Qwen3_5ForConditionalGeneration
         from transformers.utils import logging as hf_logging
@@ -116,9 +121,10 @@ class Reference:
         self.device = device
         torch_dtype = getattr(torch, dtype)
         release = Path(release)
+        self.streamed = streamed is not None
         try:
-            backbone = Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype=torch_dtype,
-                                                                       device_map={"": device})
+            backbone = streamed if self.streamed else \
+                Qwen3_5ForConditionalGeneration.from_pretrained(release, dtype=torch_dtype, device_map={"": device})
         except (OSError, ValueError, KeyError) as exc:
             raise IntegrityError(f"{release}: cannot load the backbone with Qwen3_5ForConditionalGeneration "
                                  f"({str(exc).splitlines()[0][:200]})") from None
@@ -132,7 +138,7 @@ class Reference:
             raise IntegrityError(f"{release}: the tokenizer has no pad token (systemone pads with it)")
         from .image_processor import processor_files
 
-        self.images = bool(processor_files(release))
+        self.images = bool(processor_files(release)) and not self.streamed
         self.processor = image_text_processor(release, tokenizer) if self.images else TextProcessor(tokenizer=tokenizer)
         if self.images and getattr(backbone.config, "image_token_id", None) != self.processor.image_token_id:
             # the model puts the tower's rows where config.json's id stands; the processor writes the tokenizer's
@@ -142,9 +148,14 @@ class Reference:
         self._seen: list[tuple[tuple, Any]] = []
         self._tower: list[Any] = []
         head.register_forward_hook(lambda _m, args, out: self._seen.append((args, out)))
-        backbone.model.visual.register_forward_hook(lambda _m, args, out: self._tower.append(out.pooler_output))
-        log(f"reference: {release.name} backbone {type(backbone).__name__} ({sum(p.numel() for p in backbone.parameters()):,} "
-            f"parameters), {dtype} on {device}")
+        if self.streamed:
+            self.why_no_images = WHY_NO_IMAGES
+            log(f"reference: {release.name} backbone streamed a layer at a time ({backbone.parameter_count:,} parameters: "
+                f"transformers' own text model, one layer's weights read where it runs), {dtype} on {device}")
+        else:
+            backbone.model.visual.register_forward_hook(lambda _m, args, out: self._tower.append(out.pooler_output))
+            log(f"reference: {release.name} backbone {type(backbone).__name__} ({sum(p.numel() for p in backbone.parameters()):,} "
+                f"parameters), {dtype} on {device}")
 
     def encode(self, request: dict[str, Any]) -> Any:
         """The author's ``encode_record`` exactly as ``systemone`` calls it (an image: through the processor)."""
@@ -170,3 +181,4 @@ class Reference:
         )
         self._tower.clear()
         return response, seen
+
