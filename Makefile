@@ -19,7 +19,7 @@ SRC_DEPS := $(SYNTH)/pins.json
 SRC_ARGS := --source $(SYNTH) --pins $(SYNTH)/pins.json
 endif
 
-.PHONY: setup finetune-env build test test-fast verify bench bench-plan bench-serve bench-backbone bench-identity bench-9b bench-9b-run bench-slice-int8 bench-vision vision crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
+.PHONY: setup finetune-env build test test-fast verify bench bench-plan bench-serve bench-backbone bench-head-calls bench-wide bench-identity bench-9b bench-9b-run bench-slice-int8 bench-vision vision crosscheck-coreai-opt artifact fetch check backbone compressed wheel clean
 
 setup: $(STAMP) $(AUTHOR)
 
@@ -98,7 +98,7 @@ check: setup $(TINY_BUNDLE)/metadata.json $(TINY_BACKBONES) $(TINY_V32)/metadata
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B16) --requests $(TINY_OUT)/requests-4.jsonl --transcript $(TINY_OUT)/check-release-fp16.json
 	$(BIN)/clef-export check-release $(TINY_REL) --bundle $(TINY_BUNDLE) --backbone $(TINY_B32) --red state > /dev/null 2>&1; test $$? -eq 4
 	$(BIN)/clef-export verify $(TINY_B32) --source $(TINY_REL)
-	$(BIN)/clef-export release $(RECIPE) conversion/backbone_pf64_fp16w32.toml conversion/vision_fp16w32.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist --overwrite
+	$(BIN)/clef-export release $(RECIPE) conversion/head_wide_fp16w32.toml conversion/backbone_pf64_fp16w32.toml conversion/vision_fp16w32.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist --overwrite
 	$(BIN)/python -m tests.hub_roundtrip $(TINY_OUT)/dist --check $(TINY_OUT)/check-release-fp16w32.json
 	$(BIN)/clef-export answer $(TINY_OUT)/dist --vectors
 	$(BIN)/python -m tests.host_roundtrip $(TINY_OUT)/dist --check $(TINY_OUT)/check-release-fp16w32.json --check $(TINY_OUT)/check-release-images.json
@@ -194,6 +194,25 @@ $(VISION_REL)/pins.json: $(AUTHOR) clef_flash/synth/wide.py | $(STAMP)
 bench-serve: setup
 	test -f $(TINY_OUT)/dist/SHA256SUMS || $(MAKE) check
 	$(BIN)/python benchmarks/bench_serve.py --dist $(TINY_OUT)/dist --name tiny
+	$(BIN)/python benchmarks/bench_head_calls.py $(TINY_OUT)/dist/*_head_*_fp16w32 --name tiny
+
+# what the wide shapes cost a request (issue 59): a 16-question request on the published head alone with
+# the decoder at 4,096 tokens, on both heads at 4,096, and on the walkthrough's dist (both heads, 16,384);
+# a 64-question request split by stage
+bench-wide: setup
+	test -f $(TINY_OUT)/dist/SHA256SUMS || $(MAKE) check
+	sed -e 's/^context = 16384/context = 4096/' -e '/^long_record = /d' conversion/backbone_pf64_fp16w32.toml > $(TINY_OUT)/backbone_4096.toml
+	$(BIN)/clef-export release $(RECIPE) $(TINY_OUT)/backbone_4096.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist-4096 --overwrite
+	$(BIN)/clef-export release $(RECIPE) conversion/head_wide_fp16w32.toml $(TINY_OUT)/backbone_4096.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist-both-4096 --overwrite
+	$(BIN)/python benchmarks/bench_wide.py --dist $(TINY_OUT)/dist-4096 $(TINY_OUT)/dist-both-4096 $(TINY_OUT)/dist --name tiny
+
+# the head's cost per call at each function size (issue 59): the published head and the wide one at the
+# real head configuration (synthetic weights); the tiny release's in bench-serve
+HEADS_REAL := build/heads-real
+bench-head-calls: setup $(SYNTH)/pins.json
+	$(BIN)/clef-export build conversion/head_bucket_fp16w32.toml $(SRC_ARGS) --out $(HEADS_REAL) --overwrite
+	$(BIN)/clef-export build conversion/head_wide_fp16w32.toml $(SRC_ARGS) --out $(HEADS_REAL) --overwrite
+	$(BIN)/python benchmarks/bench_head_calls.py $(HEADS_REAL)/clef_flash_head_bucket_fp16w32 $(HEADS_REAL)/clef_flash_head_wide_fp16w32 --name real-width --calls 3
 
 bench-vision: setup $(VISION_REL)/pins.json
 	$(BIN)/python benchmarks/bench_vision.py --release $(VISION_REL)

@@ -30,9 +30,13 @@ _PADS = re.compile(r", Q to (\d+), O to (\d+);")
 
 def pads(head: "Head") -> tuple[int, int]:
     """(Q, O) of a bundle, read back from its ``host_pad_rule`` (written by ``host_pad_rule``)."""
-    m = _PADS.search(head.host_pad_rule)
+    return pads_of_rule(head.host_pad_rule)
+
+
+def pads_of_rule(rule: str) -> tuple[int, int]:
+    m = _PADS.search(rule)
     if m is None:
-        raise ValueError(f"host_pad_rule names no Q / O pads: {head.host_pad_rule!r}")
+        raise ValueError(f"host_pad_rule names no Q / O pads: {rule!r}")
     return int(m.group(1)), int(m.group(2))
 SOFTMAX_TEXT = "host: per question, fp32, over that question's options"
 LEXICAL_TEXT = "host: lm_head_fp16.bin rows of each option span's ids, averaged (clef_head.lexical_rows)"

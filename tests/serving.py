@@ -46,3 +46,48 @@ class Served:
         code = self.proc.wait(timeout=120)
         self.log.seek(0)
         return code, self.log.read()
+
+
+class Recorder:
+    """A loopback proxy in front of a server that records every exchange (path, the body the client
+    sent, the status and the JSON answered): what a client really sent, to answer again with
+    ``answer`` and to check against the author's."""
+
+    def __init__(self, upstream: str):
+        import http.server
+        import json
+        import threading
+
+        import httpx
+
+        self.exchanges: list[dict] = []
+        lock = threading.Lock()
+        recorder = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 (the stdlib's name)
+                raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+                headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
+                r = httpx.post(upstream + self.path, content=raw, headers=headers, timeout=900)
+                with lock:
+                    recorder.exchanges.append({"path": self.path, "body": json.loads(raw), "status": r.status_code,
+                                               "response": r.json()})
+                self.send_response(r.status_code)
+                for k in ("content-type", "retry-after", "x-request-id"):
+                    if k in r.headers:
+                        self.send_header(k, r.headers[k])
+                self.send_header("content-length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            def log_message(self, *args):  # the test's output stays the test's
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

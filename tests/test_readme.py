@@ -85,6 +85,8 @@ def test_the_readme_walkthrough_runs_as_written(tmp_path, author_code):
         repo = re.search(r"publish \S+ --repo (\S+)", "\n".join(walkthrough())).group(1)
         record = json.loads((work / "dist" / "publish-record.json").read_text())
         assert record["commit"] == hub.commits(repo)[-1]
+        card = hub.files(repo, record["commit"])["README.md"].decode()  # the two heads, and the order a host tries them in
+        assert "Several heads: a request runs in the first of `my_ft_head_bucket_fp16w32`, `my_ft_head_wide_fp16w32`" in card
     assert (work / "check.json").is_file() and json.loads((work / "check.json").read_text())["summary"]["ok"]
     answers = [json.loads(x) for x in (work / "answers.jsonl").read_text().splitlines()]
     assert [a["id"] for a in answers] == ["refund", "route", "triage"] and all("answers" in a for a in answers)

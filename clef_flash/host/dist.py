@@ -19,14 +19,48 @@ PUBLISHED = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)@(?P<commit>[0-9a-f]{40})$")
 
 
 @dataclass(frozen=True)
+class ShippedHead:
+    """One head bundle of a release: its asset, its pads and its functions by bucket."""
+
+    bundle: Path
+    manifest: Any  # its format's manifest model
+    fmt: Any  # head.backends' module
+    asset: Path
+    q_pad: int
+    o_pad: int
+    names: dict[int, str]  # bucket (tokens) -> function name
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(self.names))
+
+    def bucket_for(self, tokens: int, questions: int, options: int) -> int | None:
+        """The smallest of its buckets a record of this size runs in; None when it does not fit."""
+        if questions > self.q_pad or options > self.o_pad:
+            return None
+        return next((b for b in self.buckets if tokens <= b), None)
+
+    @property
+    def cost(self) -> tuple[int, int]:
+        """The order a host tries heads in: narrower pads first (the wide pads cost 1.6-3.4x a call
+        at the same tokens, measured: docs/host.md), then shorter buckets."""
+        return self.q_pad * self.o_pad, max(self.names)
+
+
+@dataclass(frozen=True)
 class Dist:
     root: Path
     sums: dict[str, str]  # relative path -> sha256, as SHA256SUMS lists them
-    head: Any  # head.backends' (manifest, backend, asset)
+    heads: tuple[ShippedHead, ...]  # cheapest first (``ShippedHead.cost``)
     backbone: Any  # backbone.shipped.ShippedBackbone
     vision: Any | None  # vision.shipped.ShippedVision
     table: Path
     tokenizer: Path
+
+    @property
+    def head(self) -> ShippedHead:
+        """The release's first head (the one that says which release it is)."""
+        return self.heads[0]
 
     def digests(self) -> dict[str, str]:
         """Each bundle's manifest sha256 (what ``/health`` reports)."""
@@ -78,7 +112,9 @@ def _bundles(root: Path, sums: dict[str, str]) -> dict[str, list[Path]]:
                 raise IntegrityError(f"{meta}: not a readable manifest") from None
             if kind in KINDS:
                 found[KINDS[kind]].append(meta.parent)
-    for model in ("head", "backbone"):
+    if not found["head"]:
+        raise UsageError(f"{root}: answering needs a head bundle; the release has none")
+    for model in ("backbone",):
         if len(found[model]) != 1:
             why = "none" if not found[model] else f"{len(found[model])} ({', '.join(p.name for p in found[model])})"
             raise UsageError(f"{root}: answering needs one {model} bundle; the release has {why}")
@@ -87,10 +123,10 @@ def _bundles(root: Path, sums: dict[str, str]) -> dict[str, list[Path]]:
     return found
 
 
-def _one_release(root: Path, head_manifest, backbone, vision, table_meta: dict[str, Any]) -> None:
+def _one_release(root: Path, heads: tuple[ShippedHead, ...], backbone, vision, table_meta: dict[str, Any]) -> None:
     """The bundles and the table name one release: its id and revision, and one sha256 per file."""
-    src = head_manifest.head.source
-    origin = {"head": (src.hf_id, src.revision), "backbone": (backbone.manifest.source.hf_id, backbone.manifest.source.revision)}
+    origin = {h.bundle.name: (h.manifest.head.source.hf_id, h.manifest.head.source.revision) for h in heads}
+    origin["backbone"] = (backbone.manifest.source.hf_id, backbone.manifest.source.revision)
     if vision is not None:
         origin["vision"] = (vision.manifest.source.hf_id, vision.manifest.source.revision)
     t = table_meta.get("source", {})
@@ -124,16 +160,15 @@ def open_dist(spec: str | Path, cache: Path | None = None, log=lambda msg: None)
 def open_checked(root: Path, sums: dict[str, str]) -> Dist:
     """A release folder whose files ``sums`` lists, already checked (``release`` writing its vectors)."""
     from ..backbone.shipped import read_backbone
-    from ..gate.artifact import check_bundle
     from ..sources.lm_head import SIDECAR_FILE
     from ..vision.shipped import read_vision
 
     found = _bundles(root, sums)
-    manifest, fmt, asset, checks = check_bundle(found["head"][0])
-    bad = [f"{n}: {d}" for n, ok, d in checks if not ok]
-    if bad:
-        raise IntegrityError(f"{found['head'][0]}: {bad[0]}")
-    backbone = read_backbone(found["backbone"][0], _head_hidden(manifest), hashed=False)
+    heads = tuple(sorted((_read_head(b) for b in found["head"]), key=lambda h: h.cost))
+    widths = {_head_hidden(h.manifest) for h in heads}
+    if len(widths) != 1:
+        raise IntegrityError(f"{root}: head bundles that take hidden rows of different widths ({sorted(widths)})")
+    backbone = read_backbone(found["backbone"][0], widths.pop(), hashed=False)
     vision = read_vision(found["vision"][0], backbone.manifest.language.hidden_size) if found["vision"] else None
     table = root / HOST_DIR / TABLE_FILE
     if not table.is_file():
@@ -142,12 +177,24 @@ def open_checked(root: Path, sums: dict[str, str]) -> Dist:
     if list(table_meta.get("shape", [])) [1:] != [backbone.manifest.language.hidden_size]:
         raise IntegrityError(f"{table}: rows of {table_meta.get('shape')} values; the decoder's are "
                              f"{backbone.manifest.language.hidden_size} wide")
-    _one_release(root, manifest, backbone, vision, table_meta)
+    _one_release(root, heads, backbone, vision, table_meta)
     tokenizer = backbone.bundle / "tokenizer" / "tokenizer.json"
     if not tokenizer.is_file():
         raise IntegrityError(f"{tokenizer}: missing; the host's encoder reads it")
-    return Dist(root=root, sums=sums, head=(manifest, fmt, asset), backbone=backbone, vision=vision, table=table,
-                tokenizer=tokenizer)
+    return Dist(root=root, sums=sums, heads=heads, backbone=backbone, vision=vision, table=table, tokenizer=tokenizer)
+
+
+def _read_head(bundle: Path) -> ShippedHead:
+    from ..gate.artifact import check_bundle
+    from ..manifest import pads
+
+    manifest, fmt, asset, checks = check_bundle(bundle)
+    bad = [f"{n}: {d}" for n, ok, d in checks if not ok]
+    if bad:
+        raise IntegrityError(f"{bundle}: {bad[0]}")
+    q_pad, o_pad = pads(manifest.head)
+    return ShippedHead(bundle=bundle, manifest=manifest, fmt=fmt, asset=asset, q_pad=q_pad, o_pad=o_pad,
+                       names={b: name for name, b in manifest.head.buckets})
 
 
 def _head_hidden(manifest) -> int:

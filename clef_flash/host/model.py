@@ -26,12 +26,25 @@ def usage(input_tokens: int) -> dict[str, int]:
     return {"input_tokens": input_tokens, "output_tokens": 0, "total_tokens": input_tokens}
 
 
+@dataclass(frozen=True)
+class HeadCall:
+    index: int  # in ``ClefHost.heads``
+    bucket: int  # tokens
+    function: str
+    bundle: str  # the head bundle's name
+
+
+def _limits(h) -> str:
+    return f"{h.bundle.name}: {h.q_pad} questions, {h.o_pad} options, {max(h.buckets)} tokens"
+
+
 @dataclass
 class Answered:
     response: dict[str, Any]  # the SystemOne response: model, answers, usage
     encoded: Encoded
     seconds: dict[str, float] = field(default_factory=dict)  # per STAGES
-    bucket: str = ""
+    bucket: str = ""  # the head function that ran
+    head: str = ""  # the head bundle it is in
     logits: np.ndarray | None = None  # the head's [O] output, unrounded
     steps: dict[str, Any] | None = None  # keep=True: each step's arrays (host-vectors.jsonl)
 
@@ -41,7 +54,6 @@ class ClefHost:
         """``engine``: the decoder's (``backbone.executor.choose_engine``: auto, coreai, torch), chosen
         here, before any asset loads; ``device``: the torch engine's."""
         from ..backbone.executor import choose_engine
-        from ..manifest import pads
         from ..sources.lm_head import open_table
 
         self.dist = dist
@@ -49,12 +61,13 @@ class ClefHost:
         self.choice = choose_engine(bb.bundle, bb.manifest, engine, device)
         self.device = device
         self.engine = None  # backbone.executor.EngineInfo, once entered
-        self.manifest, self.fmt, self.asset = dist.head
+        self.heads = dist.heads  # cheapest first: a request runs in the first that fits it
         self.tokenizer = PromptTokenizer(dist.tokenizer)
         self.table = open_table(dist.table)
-        self.q_pad, self.o_pad = pads(self.manifest.head)
-        self.names = {b: name for name, b in self.manifest.head.buckets}
-        self.buckets = tuple(sorted(self.names))
+        # what the widest head takes: a request past it is refused, naming the limit
+        self.q_pad = max(h.q_pad for h in self.heads)
+        self.o_pad = max(h.o_pad for h in self.heads)
+        self.buckets = tuple(sorted({b for h in self.heads for b in h.buckets}))
         self._stack: contextlib.AsyncExitStack | None = None
 
     async def __aenter__(self) -> "ClefHost":
@@ -80,7 +93,7 @@ class ClefHost:
 
                 self._decoder, self._new_states = await stack.enter_async_context(decoder_runner(self.dist.backbone.asset, shapes, dtype))
                 self.engine = EngineInfo("coreai", "cpu", bb.export.compute)
-            self._head = await stack.enter_async_context(self.fmt.runner(self.asset, sorted(self.names.values())))
+            self._heads = [await stack.enter_async_context(h.fmt.runner(h.asset, sorted(h.names.values()))) for h in self.heads]
             self._tower = None
             if self.dist.vision is not None:
                 from ..vision.runtime import runner as tower_runner
@@ -97,9 +110,9 @@ class ClefHost:
             await self._stack.aclose()
             self._stack = None
 
-    def prepare(self, body: Any, base: Path | None = None) -> tuple[Encoded, Any, Image | None, int]:
+    def prepare(self, body: Any, base: Path | None = None) -> tuple[Encoded, Any, Image | None, "HeadCall"]:
         """The request checked, its image prepared and its prompt encoded, before any asset runs:
-        (encoded, the image's prepared patches or None, the image, the head bucket)."""
+        (encoded, the image's prepared patches or None, the image, the head and bucket it runs in)."""
         from ..head.host import HostInputError, check_fits
         from .encode import options_of
 
@@ -107,10 +120,10 @@ class ClefHost:
         # the schema's limits said before anything is tokenized: a client sending too many is told which
         questions = body["questions"]
         if len(questions) > self.q_pad:
-            raise RequestError("questions", f"{len(questions)} questions; at most {self.q_pad} a request (this release's head)", 422)
+            raise RequestError("questions", f"{len(questions)} questions; at most {self.q_pad} a request (this release's widest head)", 422)
         options = sum(len(options_of(q)) for q in questions.values())
         if options > self.o_pad:
-            raise RequestError("questions", f"{options} options; at most {self.o_pad} in all a request (this release's head)", 422)
+            raise RequestError("questions", f"{options} options; at most {self.o_pad} in all a request (this release's widest head)", 422)
         image = read_image(body, base)
         prepared, tokens = None, None
         if image is not None:
@@ -121,14 +134,23 @@ class ClefHost:
         except ValueError as exc:
             raise RequestError("questions", str(exc), 422) from None
         try:
-            bucket = check_fits(len(enc.ids), enc.questions, q_pad=self.q_pad, o_pad=self.o_pad, buckets=self.buckets)
+            check_fits(len(enc.ids), enc.questions, q_pad=self.q_pad, o_pad=self.o_pad, buckets=self.buckets)
         except HostInputError as exc:
             schema = len(enc.questions) > self.q_pad or sum(len(q.option_spans) for q in enc.questions) > self.o_pad
             raise RequestError("questions" if schema else "state", str(exc), 422) from None
         too_long = self.dist.backbone.does_not_fit(len(enc.ids))
         if too_long:
             raise RequestError("state", too_long, 422)
-        return enc, prepared, image, bucket
+        return enc, prepared, image, self.head_for(len(enc.ids), len(enc.questions), options)
+
+    def head_for(self, tokens: int, questions: int, options: int) -> "HeadCall":
+        """The first head (cheapest first) and its smallest bucket that take a record of this size."""
+        for i, h in enumerate(self.heads):
+            bucket = h.bucket_for(tokens, questions, options)
+            if bucket is not None:
+                return HeadCall(index=i, bucket=bucket, function=h.names[bucket], bundle=h.bundle.name)
+        raise RequestError("questions", f"{tokens} tokens with {questions} questions and {options} options: no head "
+                           f"of this release takes them together ({', '.join(_limits(h) for h in self.heads)})", 422)
 
     def _prepare_image(self, image: Image):
         from ..vision.host import choose_bucket
@@ -166,7 +188,7 @@ class ClefHost:
         t0 = time.perf_counter()
         # parsing an image and tokenizing a state are CPU work: off the event loop, so a server
         # answers /health and reads other bodies meanwhile
-        enc, prepared, _image, bucket = await asyncio.to_thread(self.prepare, body, base)
+        enc, prepared, _image, call = await asyncio.to_thread(self.prepare, body, base)
         seconds = {"encode": time.perf_counter() - t0}
         t = time.perf_counter()
         span = None
@@ -191,9 +213,9 @@ class ClefHost:
                                       lang.pad_token_id, None, extra)
         seconds["decoder"] = time.perf_counter() - t
         t = time.perf_counter()
-        hi = head_inputs(hidden, ids, enc.questions, self.table, bucket, q_pad=self.q_pad, o_pad=self.o_pad,
-                         buckets=self.buckets)
-        logits = await self._head(self.names[bucket], hi.arrays)
+        h = self.heads[call.index]
+        hi = head_inputs(hidden, ids, enc.questions, self.table, call.bucket, q_pad=h.q_pad, o_pad=h.o_pad, buckets=h.buckets)
+        logits = await self._heads[call.index](call.function, hi.arrays)
         seconds["head"] = time.perf_counter() - t
         t = time.perf_counter()
         probs = question_probs(logits, hi.layout)
@@ -205,5 +227,5 @@ class ClefHost:
             steps = {"patches": None if prepared is None else prepared.patches, "grid": None if prepared is None else prepared.grid,
                      "image_rows": None if span is None else span.rows, "hidden": hidden, "head_inputs": hi.arrays,
                      "probabilities": probs}
-        return Answered(response=response, encoded=enc, seconds=seconds, bucket=self.names[bucket],
+        return Answered(response=response, encoded=enc, seconds=seconds, bucket=call.function, head=call.bundle,
                         logits=np.asarray(logits, np.float32)[: hi.options], steps=steps)

@@ -91,7 +91,7 @@ def vector(body: dict[str, Any], answered) -> dict[str, Any]:
     out["decoder"] = {"tokens": len(enc.ids), "rows": _rows(hidden, {"first": 0, "global": enc.global_position,
                                                                      "first_option": enc.questions[0].option_spans[0][0]})}
     arrays = st["head_inputs"]
-    out["head"] = {"function": answered.bucket, "inputs": {n: {"shape": list(arrays[n].shape), "dtype": str(arrays[n].dtype),
+    out["head"] = {"bundle": answered.head, "function": answered.bucket, "inputs": {n: {"shape": list(arrays[n].shape), "dtype": str(arrays[n].dtype),
                                                                "sha256": digest(arrays[n])} for n in EXACT_INPUTS}}
     out["logits"] = [float(x) for x in answered.logits]
     out["probabilities"] = {q.question_id: [float(x) for x in p] for q, p in zip(enc.questions, st["probabilities"], strict=True)}
@@ -112,7 +112,7 @@ async def _answer_all(dist, bodies: list[dict[str, Any]], engine: str = "auto", 
 
 
 def header(dist, engine: str) -> dict[str, Any]:
-    m = dist.head[0]
+    m = dist.head.manifest
     return {"kind": "clef-host-vectors", "version": VERSION, "release": {"hf_id": m.head.source.hf_id,
             "revision": m.head.source.revision}, "bundles": dist.digests(), "tolerances": TOLERANCES,
             "exact": "ids, spans, option ids, the image's grid and patches, the head's inputs " + ", ".join(EXACT_INPUTS),

@@ -279,7 +279,21 @@ def _host(dist: Dist) -> list[str]:
             out += ["", f"Host loop: {i['host_loop']}.", ""]
             if images:
                 out += [f"Image inputs: {images['rule']}.", ""]
+    heads = [b.name for b in sorted(dist.bundles, key=_head_order) if b.kind == HEAD_KIND]
+    if len(heads) > 1:
+        out += [f"Several heads: a request runs in the first of {', '.join(f'`{h}`' for h in heads)} whose pads "
+                "and buckets take it (narrower pads first, then shorter buckets), in its smallest bucket.", ""]
     return out
+
+
+def _head_order(b) -> tuple[int, int]:
+    """The order a host tries head bundles in (``host.dist.ShippedHead.cost``), from a manifest's JSON."""
+    from ..manifest import pads_of_rule
+
+    if b.kind != HEAD_KIND:
+        return 0, 0
+    q, o = pads_of_rule(b.manifest["head"]["host_pad_rule"])
+    return q * o, max(tokens for _, tokens in b.manifest["head"]["buckets"])
 
 
 def _licence(dist: Dist) -> list[str]:

@@ -157,7 +157,7 @@ RELEASE_TINY_MARKER = "TINY_RANDOM_MODEL.txt"
 
 def write_release(out: Path, *, config_name: str | dict, seed: int, author_code: Path, vocab: int = 512,
                   layout: str = "single", backbone: str = "stub", overwrite: bool = False, variant: str = "tiny",
-                  processor_file: str = PREPROCESSOR_CONFIG) -> Path:
+                  processor_file: str = PREPROCESSOR_CONFIG, tokenizer: str = "bytes") -> Path:
     """A release folder in clef-finetune's layout, with random weights: ``config.json``, the
     backbone's ``model.safetensors`` (``single``; ``sharded`` with an index; ``tied``: no
     ``lm_head.weight``), the head's three files as ``merge`` writes them (the author's unmodified
@@ -170,7 +170,8 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
     byte-level tokenizer (``write_qwen3_5_backbone``; needs transformers), so the author's own
     model answers requests from the folder (``check-release``), with its image processor's settings in
     ``processor_file``: ``preprocessor_config.json`` (the older layout) or ``processor_config.json``
-    (transformers 5's, as make-tiny writes it)."""
+    (transformers 5's, as make-tiny writes it), and ``tokenizer``: ``bytes`` (a token a byte) or
+    ``words`` (``words_tokenizer``: about a token a word; ``vocab`` at least ``WORDS_VOCAB``)."""
     import torch
     from safetensors.torch import save_file
 
@@ -182,6 +183,8 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
         raise ValueError(f"backbone must be stub or qwen3_5, got {backbone!r}")
     if processor_file not in PROCESSOR_FILES:
         raise ValueError(f"processor_file must be one of {', '.join(PROCESSOR_FILES)}, got {processor_file!r}")
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {', '.join(TOKENIZERS)}, got {tokenizer!r}")
     if backbone == "qwen3_5" and layout != "single":
         raise ValueError("a qwen3_5 backbone is written as one model.safetensors with lm_head.weight (layout single)")
     name, config = _config(config_name)
@@ -206,7 +209,7 @@ def write_release(out: Path, *, config_name: str | dict, seed: int, author_code:
         if backbone == "qwen3_5":
             text, shard = VARIANTS[variant]
             write_qwen3_5_backbone(tmp, hidden=hidden, vocab=vocab, seed=seed, text=text, max_shard_size=shard,
-                                   processor_file=processor_file)
+                                   processor_file=processor_file, tokenizer=tokenizer)
         elif layout == "sharded":
             from ..sources.lm_head import INDEX_FILE
 
@@ -266,6 +269,57 @@ def byte_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
 
+# Qwen's pre-tokenizer split (its tokenizer.json's regex): words, single digits, punctuation runs, newlines
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+              r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# the words the ``words`` tokenizer is trained on: what requests and the clients' instructions say
+CORPUS_WORDS = (
+    "the a an of to and or in on for with by from as at is are was be not no yes true false this that these those "
+    "it its which what who how why when where does do did has have had can should would must may will all any each "
+    "every one two three four five first last next more most less least only also than then there their they we "
+    "you your our us he she his her them if else answer answers question questions query document documents doc "
+    "chunk chunks text state schema field fields option options allowed type score scores choice noul relevant "
+    "relevance irrelevant essential background information needed need contains use using judge given scale "
+    "number retrieved context retrieval augmented pipeline filtering proposition instruction instructions "
+    "criteria decide decision jointly complete read exactly must each paragraph paragraphs screen screening "
+    "customer order parcel refund ticket team billing shipping returns delivery charges desk leg cracked "
+    "arrived crushed wants card declined twice escalate today severity low mid high critical calm upset "
+    "message first second label labels image banner photo kind rate rating model evaluate evaluation data "
+    "topic related depends depend on contains needs without with about between against into over under "
+    "good bad best worst new old large small long short time day week year people user users system"
+).split()
+
+
+def words_tokenizer():
+    """A byte-level BPE with merges (Qwen's split, NFC, the special tokens added), trained here on
+    seeded sentences of ``CORPUS_WORDS``: about a token a common word, as a real tokenizer spends,
+    so a tiny release takes the clients' real requests (64 questions) within 16,384 tokens. The
+    same ids on every machine: the trainer is deterministic for one corpus."""
+    import random
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(20261207)
+    punct = [" ", " ", " ", " ", ", ", ". ", ": ", "? ", "\n", " (", ") ", "\"", "_", "-", "{", "}", "[", "]"]
+    corpus = ["".join(rng.choice(CORPUS_WORDS) + rng.choice(punct) + (str(rng.randrange(100)) if rng.random() < 0.05 else "")
+                      for _ in range(60)) for _ in range(3000)]
+    trainer = trainers.BpeTrainer(vocab_size=WORDS_VOCAB - len(SPECIAL_TOKENS), special_tokens=[],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+
+
+WORDS_VOCAB = 1024  # the words tokenizer's ids, special tokens included
+TOKENIZERS = {"bytes": byte_tokenizer, "words": words_tokenizer}
+
+
 # Another Qwen3.5 text configuration than make-tiny's, for the backbone's tests: other widths and
 # head counts, grouped linear-attention heads of unequal key / value sizes, a conv kernel of 3, half
 # the head dimension rotary, five layers in another pattern; written as two shards with an index.
@@ -296,7 +350,8 @@ VIDEO_PROCESSOR: dict = {"video_processor_type": "Qwen3VLVideoProcessor", "patch
 
 
 def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int, text: dict | None = None,
-                           max_shard_size: str | None = None, processor_file: str = PREPROCESSOR_CONFIG) -> None:
+                           max_shard_size: str | None = None, processor_file: str = PREPROCESSOR_CONFIG,
+                           tokenizer: str = "bytes") -> None:
     """A tiny ``Qwen3_5ForConditionalGeneration`` (3 linear-attention layers + 1 full-attention
     layer, a one-block vision tower, untied lm_head) stored bf16 as one ``model.safetensors``, with
     ``config.json``, ``generation_config.json`` and the tokenizer files, seeded. ``text`` replaces
@@ -306,7 +361,7 @@ def write_qwen3_5_backbone(folder: Path, *, hidden: int, vocab: int, seed: int, 
 
     if hidden % 16:
         raise ValueError(f"a tiny Qwen3.5 backbone needs a hidden size divisible by 16, got {hidden}")
-    tokenizer = byte_tokenizer()
+    tokenizer = TOKENIZERS[tokenizer]()
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     if vocab <= max(ids.values()):
         raise ValueError(f"vocab {vocab} is smaller than the tokenizer's {max(ids.values()) + 1} ids")
