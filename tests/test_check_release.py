@@ -20,6 +20,7 @@ from clef_flash.errors import UsageError
 from .conftest import build_bundle
 
 runner = CliRunner()
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def invoke(*args):
@@ -119,6 +120,16 @@ def test_the_author_streamed_a_layer_at_a_time_answers_as_the_whole_model(tmp_pa
         b.model.language_model(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=torch.zeros(1))
     r = invoke("check-release", rel, "--bundle", bundle, "--stream", "sometimes")
     assert r.exit_code == 2 and "--stream must be auto, on or off" in r.output
+    # an image request beside a text one: listed as not run, with why, and the text one checked
+    reqs = tmp_path / "mixed.jsonl"
+    image = json.loads((ROOT / "conversion" / "requests-images.jsonl").read_text().splitlines()[0])
+    image["images"] = [str(ROOT / "conversion" / image["images"][0])]
+    reqs.write_text(json.dumps(image) + "\n" + (ROOT / "conversion" / "requests-answer.jsonl").read_text().splitlines()[0] + "\n")
+    r = invoke("check-release", rel, "--bundle", bundle, "--stream", "on", "--requests", reqs, "--transcript", tmp_path / "mixed.json")
+    assert r.exit_code == 0, r.output[-3000:]
+    t = json.loads((tmp_path / "mixed.json").read_text())
+    assert t["summary"]["checked"] == 1 and [d["why"] for d in t["does_not_fit"]] == [
+        "the author's model is streamed a layer at a time (check-release --stream): text requests only"]
 
 
 @pytest.mark.parametrize("delay", [0.3, 1.5])
