@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_result import finish  # noqa: E402
 
 
 def full_record(bucket: int, q_pad: int, o_pad: int, hidden: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -80,10 +82,7 @@ def main() -> None:
     rows = []
     for b in args.bundles:
         rows += asyncio.run(measure(b, args.calls))
-    out = ROOT / "benchmarks" / "results" / f"head-calls-{args.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"name": args.name, "rows": rows}, indent=1) + "\n")
-    print(out)
+    finish({"name": args.name, "rows": rows}, f"head-calls-{args.name}.json", [])
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_result import finish  # noqa: E402
 
 
 def body(questions: int, tokens: int, tokenizer) -> dict:
@@ -71,10 +73,7 @@ def main() -> None:
         tok = PromptTokenizer(dist.tokenizer)
         rows += asyncio.run(timed(d, dist, [body(16, 2000, tok)], args.repeat))
     rows += asyncio.run(timed(d, dist, [body(64, 9000, tok)], max(1, args.repeat // 2)))
-    out = ROOT / "benchmarks" / "results" / f"wide-{args.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"name": args.name, "rows": rows}, indent=1) + "\n")
-    print(out)
+    finish({"name": args.name, "rows": rows}, f"wide-{args.name}.json", [])
 
 
 if __name__ == "__main__":

@@ -157,26 +157,17 @@ def test_the_encoder_imports_no_torch():
 
 # Qwen's pre-tokenizer split (letters, single digits, punctuation, newlines, spaces): what the real
 # tokenizer cuts words by, with an NFC normalizer and byte-level BPE merges learnt below
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-              r"\s*[\r\n]+|\s+(?!\S)|\s+")
 HARD = WORDS + ["   ", "\n\n", " \n ", "12345", "e\u0301", "<|im_start|>", "<|im", "don't", "\t", "..."]
 
 
 @pytest.fixture(scope="module")
 def merging_tokenizer(tmp_path_factory) -> PromptTokenizer:
     """A byte-level BPE with merges over Qwen's split and added tokens, trained here (seeded text)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from clef_flash.synth.release import qwen_style_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
     rng = random.Random(7)
     corpus = ["".join(rng.choice(HARD) + rng.choice(["", " "]) for _ in range(200)) for _ in range(200)]
-    trainer = trainers.BpeTrainer(vocab_size=800, special_tokens=["<|im_start|>", "<|im_end|>", "<|image_pad|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
+    tok = qwen_style_bpe(corpus, 800, ["<|im_start|>", "<|im_end|>", "<|image_pad|>"])
     path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
     tok.save(str(path))
     return PromptTokenizer(path)

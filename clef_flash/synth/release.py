@@ -290,28 +290,35 @@ CORPUS_WORDS = (
 ).split()
 
 
-def words_tokenizer():
-    """A byte-level BPE with merges (Qwen's split, NFC, the special tokens added), trained here on
-    seeded sentences of ``CORPUS_WORDS``: about a token a common word, as a real tokenizer spends,
-    so a tiny release takes the clients' real requests (64 questions) within 16,384 tokens. The
-    same ids on every machine: the trainer is deterministic for one corpus."""
-    import random
-
+def qwen_style_bpe(corpus: list[str], vocab_size: int, special_tokens: list[str]):
+    """A byte-level BPE with merges as Qwen's is built (its split regex, NFC, byte-level), trained on
+    ``corpus``: deterministic for one corpus (a ``tokenizers.Tokenizer``)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def words_tokenizer():
+    """``qwen_style_bpe`` trained on seeded sentences of ``CORPUS_WORDS``, the special tokens added:
+    about a token a common word, as a real tokenizer spends, so a tiny release takes the clients' real
+    requests (64 questions) within 16,384 tokens; the same ids on every machine."""
+    import random
+
+    from transformers import PreTrainedTokenizerFast
+
     rng = random.Random(20261207)
     punct = [" ", " ", " ", " ", ", ", ". ", ": ", "? ", "\n", " (", ") ", "\"", "_", "-", "{", "}", "[", "]"]
     corpus = ["".join(rng.choice(CORPUS_WORDS) + rng.choice(punct) + (str(rng.randrange(100)) if rng.random() < 0.05 else "")
                       for _ in range(60)) for _ in range(3000)]
-    trainer = trainers.BpeTrainer(vocab_size=WORDS_VOCAB - len(SPECIAL_TOKENS), special_tokens=[],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
+    tok = qwen_style_bpe(corpus, WORDS_VOCAB - len(SPECIAL_TOKENS), [])
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
 
