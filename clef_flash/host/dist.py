@@ -18,6 +18,12 @@ KINDS = {"decision-head": "head", "decision-backbone": "backbone", "vision-tower
 PUBLISHED = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)@(?P<commit>[0-9a-f]{40})$")
 
 
+def head_order(q_pad: int, o_pad: int, buckets) -> tuple[int, int]:
+    """The order a host tries heads in: narrower pads first (the wide pads cost 1.6-3.4x a call at
+    the same tokens, measured: docs/host.md), then shorter buckets."""
+    return q_pad * o_pad, max(buckets)
+
+
 @dataclass(frozen=True)
 class ShippedHead:
     """One head bundle of a release: its asset, its pads and its functions by bucket."""
@@ -42,9 +48,7 @@ class ShippedHead:
 
     @property
     def cost(self) -> tuple[int, int]:
-        """The order a host tries heads in: narrower pads first (the wide pads cost 1.6-3.4x a call
-        at the same tokens, measured: docs/host.md), then shorter buckets."""
-        return self.q_pad * self.o_pad, max(self.names)
+        return head_order(self.q_pad, self.o_pad, self.names)
 
 
 @dataclass(frozen=True)

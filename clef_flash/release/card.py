@@ -287,13 +287,13 @@ def _host(dist: Dist) -> list[str]:
 
 
 def _head_order(b) -> tuple[int, int]:
-    """The order a host tries head bundles in (``host.dist.ShippedHead.cost``), from a manifest's JSON."""
+    """The order a host tries head bundles in (``host.dist.head_order``), from a manifest's JSON."""
+    from ..host.dist import head_order
     from ..manifest import pads_of_rule
 
     if b.kind != HEAD_KIND:
         return 0, 0
-    q, o = pads_of_rule(b.manifest["head"]["host_pad_rule"])
-    return q * o, max(tokens for _, tokens in b.manifest["head"]["buckets"])
+    return head_order(*pads_of_rule(b.manifest["head"]["host_pad_rule"]), [t for _, t in b.manifest["head"]["buckets"]])
 
 
 def _licence(dist: Dist) -> list[str]:
