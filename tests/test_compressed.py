@@ -342,11 +342,11 @@ def test_a_changed_code_or_scale_is_named(built, release, tmp_path, key):
 def test_the_quantization_red_arms_must_fail(built, release, monkeypatch):
     """A gate whose reference could not see a misread layout fails: the red arms read the codes and
     scales correctly here (the arm disabled), so they pass the bar, and the gate must say so."""
-    import clef_flash.engine.asset_readback as aw
+    import clef_flash.gate.backbone as gb
     from clef_flash.gate.backbone import BackboneVerifyConfig, verify_backbone
 
-    real = aw.dequantized
-    monkeypatch.setattr(aw, "dequantized", lambda mlirb, f, scheme, red=None: real(mlirb, f, scheme, None))
+    real = gb._dequantized  # what both reads take, the whole matrix and its row blocks
+    monkeypatch.setattr(gb, "_dequantized", lambda mlirb, found, scheme, name, red=None: real(mlirb, found, scheme, name, None))
     report = verify_backbone(BackboneVerifyConfig(bundle=built["int8w32"], source=release,
                                                   pins_path=release / "pins.json", long_record=40))
     assert not report.ok

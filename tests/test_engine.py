@@ -91,6 +91,29 @@ def test_the_engine_equals_the_runtime_on_an_image_record(engine_bundles):
     assert np.abs(torch_rows[0] - hidden_rows(bb, [ids], images=[None], engine="torch")[0]).max() > 1e-2
 
 
+def _drift_weight(monkeypatch, suffix: str, change) -> None:
+    """The engine reads the weight named ``...suffix`` changed by ``change(rows, first row's index)``
+    (in place, on a copy), read whole (a device that holds the weights) or by rows (a CPU's streamed read)."""
+    from clef_flash.engine import weight_map
+
+    real, real_blocks = weight_map.ShippedWeights.tensor, weight_map.ShippedWeights.widened_blocks
+
+    def tensor(self, name):
+        a = real(self, name).clone()
+        if name.endswith(suffix):
+            change(a, 0)
+        return a
+
+    def widened_blocks(self, name, dtype, *args, **kwargs):
+        for r0, r1, rows in real_blocks(self, name, dtype, *args, **kwargs):
+            if name.endswith(suffix):
+                rows = rows.clone()
+                change(rows, r0)
+            yield r0, r1, rows
+    monkeypatch.setattr(weight_map.ShippedWeights, "tensor", tensor)
+    monkeypatch.setattr(weight_map.ShippedWeights, "widened_blocks", widened_blocks)
+
+
 @pytest.mark.parametrize("drift", ["weight", "positions"])
 def test_a_drifted_engine_fails_the_gate(engine_bundles, tmp_path, monkeypatch, drift):
     """The gate's engine rows see an engine that reads one weight wrongly or places every token one
@@ -99,14 +122,7 @@ def test_a_drifted_engine_fails_the_gate(engine_bundles, tmp_path, monkeypatch, 
     from clef_flash.engine import weight_map
 
     if drift == "weight":
-        real = weight_map.ShippedWeights.tensor
-
-        def tensor(self, name):
-            a = real(self, name).clone()
-            if name.endswith("layers.0.mlp.down_proj.weight"):
-                a[0] *= 2
-            return a
-        monkeypatch.setattr(weight_map.ShippedWeights, "tensor", tensor)
+        _drift_weight(monkeypatch, "layers.0.mlp.down_proj.weight", lambda rows, r0: rows[:1].mul_(2) if r0 == 0 else None)
     else:
         real = graph.DecoderChunk.prelude
         monkeypatch.setattr(graph.DecoderChunk, "prelude",  # one position late (kept inside the context)
@@ -114,6 +130,35 @@ def test_a_drifted_engine_fails_the_gate(engine_bundles, tmp_path, monkeypatch, 
     res, t = _verify(engine_bundles["int8w32"], engine_bundles["release"], tmp_path)
     assert res.exit_code == 4, res.output[-2000:]
     assert "(torch engine)" in res.output and all("(torch engine)" in f for f in t["failures"]), t["failures"]
+
+
+@pytest.mark.parametrize("form, bits", [("fp16", None), ("codes", 8), ("codes", 4)])
+def test_widened_blocks_are_the_whole_tensors_rows(form, bits):
+    """A matrix read a block of rows at a time (the CPU engine's and the gates' streamed read) has
+    the values of the whole one widened, block by block, fp16 and int8 / int4 codes alike."""
+    import torch
+
+    from clef_flash.engine.quantize import Scheme, dequantize, pack_int4
+    from clef_flash.engine.weight_map import widened_blocks
+
+    rng = np.random.default_rng(7)
+    rows, cols = 37, 64
+    scheme = Scheme(bits, 16) if bits else None
+    if form == "codes":
+        codes = rng.integers(-scheme.qmax, scheme.qmax + 1, size=(rows, cols)).astype(np.int8)
+        scales = rng.uniform(1e-3, 1e-1, size=scheme.scale_shape((rows, cols))).astype(np.float16)
+        raw = codes.view(np.uint8).reshape(-1) if bits == 8 else pack_int4(codes)
+        want, raw_scales = dequantize(codes, scales, scheme).astype(np.float32), scales.view(np.uint8).reshape(-1)
+    else:
+        values = rng.standard_normal((rows, cols)).astype(np.float16)
+        raw, raw_scales, want = values.view(np.uint8).reshape(-1), None, values.astype(np.float32)
+    got = np.zeros_like(want)
+    seen = []
+    for r0, r1, block in widened_blocks(form, raw, raw_scales, (rows, cols), scheme, torch.float32, block_bytes=cols * 4 * 5):
+        got[r0:r1] = block.numpy()
+        seen.append(r1 - r0)
+    assert seen == [5] * 7 + [2]
+    assert np.array_equal(got, want)
 
 
 # ---------------------------------------------------------------- past the runtime's size
@@ -146,11 +191,7 @@ def test_past_the_runtimes_size_the_gate_proves_numbers_through_the_engine(engin
     assert res.exit_code == 0 and any(r["arm"] == "torch engine" for r in t["records"])
 
     # a gate that cannot fail proves nothing: an engine reading a weight wrongly fails it at this size too
-    from clef_flash.engine import weight_map
-
-    real = weight_map.ShippedWeights.tensor
-    monkeypatch.setattr(weight_map.ShippedWeights, "tensor",
-                        lambda self, name: real(self, name) * (1.5 if name.endswith("layers.1.mlp.up_proj.weight") else 1))
+    _drift_weight(monkeypatch, "layers.1.mlp.up_proj.weight", lambda rows, r0: rows.mul_(1.5))
     res, t = _verify(engine_bundles["int8w32"], engine_bundles["release"], tmp_path)
     assert res.exit_code == 4 and "record-1" in t["failures"][0], res.output[-2000:]
 

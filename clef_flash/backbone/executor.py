@@ -151,13 +151,20 @@ class TorchDecoder:
 
     def _layer_weights(self, i: int) -> dict[str, Any]:
         """Layer ``i``'s matrices on the device as stored (fp16: a view of the mapped file on a CPU;
-        a compressed one dequantized to fp16), kept where the device holds them all. The graph
-        widens each to the compute dtype where it is used (``graph._mat``: an exact cast), so one
-        fp32 matrix is alive at a time, not a layer's (0.8 GB at the 9B's width)."""
+        a compressed one dequantized to fp16), kept where the device holds them all; the graph
+        widens each to the compute dtype where it is used (``graph._mat``: an exact cast). Where the
+        device does not hold them, a linear's weight is not read here at all: the graph reads it
+        where it is used, widened a block of rows at a time (``ShippedWeights.widened_blocks``), so
+        neither the layer's 16 bits (0.44 GB at the 9B's width, dequantized) nor one fp32 matrix
+        (201 MB) is alive whole; each use dequantizes again, from the page cache."""
         prefix = f"{LM}layers.{i}."
         out = {}
         for w in self.weights.map.weights:
             if w.name.startswith(prefix) and len(w.shape) >= 2:
+                if len(w.shape) == 2 and not self.device.hold:
+                    self.module.row_blocks[w.name] = lambda name=w.name: self._blocks(name)
+                    self.module.row_counts[w.name] = w.shape[0]
+                    continue
                 if w.name in self._held:
                     out[w.name] = self._held[w.name]
                     continue
@@ -166,6 +173,11 @@ class TorchDecoder:
                 if self.device.hold:
                     self._held[w.name] = t
         return out
+
+    def _blocks(self, name: str):
+        dev = self.device.torch_device
+        for r0, r1, rows in self.weights.widened_blocks(name, self.dtype):
+            yield r0, r1, rows if dev == "cpu" else rows.to(dev)
 
     def _states(self, kind: str):
         """One layer's zero states, shaped as the asset's with one layer (index 0)."""
@@ -209,6 +221,7 @@ class TorchDecoder:
                                     s.get("convState"), s.get("recState"))
                 for name in layer:
                     m._buffers[m._buffer[name]] = self._empty  # noqa: SLF001 (let go)
+                m.row_blocks.clear()
                 del layer, s
                 trim_freed_memory(collect=False)  # the layer's heap back to the kernel before the next
                 if progress is not None:

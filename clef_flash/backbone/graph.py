@@ -140,6 +140,9 @@ class DecoderChunk(torch.nn.Module):
         # each layer called through a module of its own: the trace tags the layer's nodes with it
         # (``nn_module_stack``), which ``stitch`` reads; ``only``: the layers a template trace runs
         self.blocks = torch.nn.ModuleList(_Call() for _ in cfg.layer_types)
+        # name -> a matrix's widened row blocks, set by the torch engine for the layer it runs (never traced)
+        self.row_blocks: dict = {}
+        self.row_counts: dict[str, int] = {}
         self.only: frozenset[int] | None = None
 
     def _get(self, name: str) -> torch.Tensor:
@@ -161,7 +164,17 @@ class DecoderChunk(torch.nn.Module):
         return y * (2.0 ** -k) if k else y
 
     def _lin(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return self._unscale(F.linear(x, self._mat(name)), name)
+        blocks = self.row_blocks.get(name)
+        if blocks is None:
+            return self._unscale(F.linear(x, self._mat(name)), name)
+        # the torch engine's streamed weights: each block of rows gives its columns of the output (the
+        # same dot products), the widened matrix never whole in memory
+        y = None
+        for r0, r1, w in blocks():
+            if y is None:
+                y = x.new_empty(x.shape[:-1] + (self.row_counts[name],))
+            y[..., r0:r1] = F.linear(x, w)
+        return self._unscale(y, name)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """Qwen3.5's zero-centred RMSNorm: x / rms(x) * (1 + w), in fp32."""

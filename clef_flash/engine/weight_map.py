@@ -25,6 +25,7 @@ MAP_FILE = "weight-map.safetensors"
 FORMAT = "clef-weight-map/1"
 SCHEMA_FILE = "weight-map.schema.json"
 _KEY = "weight_map"  # the safetensors metadata key holding the map's JSON
+BLOCK_BYTES = 16 << 20  # a matrix's widened rows at a time in ``widened_blocks``
 
 
 class BlobRef(Strict):
@@ -121,6 +122,50 @@ class ShippedWeights:
         codes = torch.from_numpy(np.ascontiguousarray(codes_from_bytes(self._raw(w.blobs[0]), shape, scheme)))
         scales = torch.from_numpy(self._raw(w.blobs[1]).view(np.float16).reshape(scheme.scale_shape(shape)))
         return dequantize_torch(codes, scales, scheme)
+
+    def widened_blocks(self, name: str, dtype, block_bytes: int = BLOCK_BYTES):
+        """``tensor(name)`` (a matrix) widened to ``dtype`` a block of rows at a time (``widened_blocks``)."""
+        w = self.by_name[name]
+        scheme = scales = None
+        if w.form == "codes":
+            from .quantize import Scheme
+
+            scheme = Scheme(int(self.map.bits), int(self.map.block))
+            scales = self._raw(w.blobs[1])
+        return widened_blocks(w.form, self._raw(w.blobs[0]), scales, tuple(w.shape), scheme, dtype, block_bytes)
+
+
+def widened_blocks(form: str, raw: np.ndarray, raw_scales: np.ndarray | None, shape: tuple[int, int], scheme, dtype,
+                   block_bytes: int = BLOCK_BYTES):
+    """A stored matrix (``raw``: its blob's bytes; ``form`` fp16, fp32, or codes with ``raw_scales``
+    by ``scheme``) widened to ``dtype`` a block of rows at a time, ``(r0, r1, rows)``, into one reused
+    buffer: each block good until the next is asked for, the whole matrix never in memory (its fp32
+    copy is 201 MB at the 9B's widest). The values the whole tensor widened has: a compressed block
+    is dequantized by the same rule, ``fp16(code * scale)``, row by row."""
+    import torch
+
+    from .quantize import dequantize_torch, unpack_int4
+
+    rows, cols = shape
+    step = max(1, block_bytes // (cols * 4))
+    buf = torch.empty(min(rows, step) * cols, dtype=dtype)
+    if form == "codes":
+        scales = raw_scales.view(np.float16).reshape(scheme.scale_shape(shape))
+        work = torch.empty(min(rows, step) * cols, dtype=torch.float32)
+    else:
+        stored = raw.view(np.float16 if form == "fp16" else np.float32).reshape(rows, cols)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        out = buf[: (r1 - r0) * cols].view(r1 - r0, cols)
+        if form == "codes":
+            # int4: two codes a byte, and a row's cols (a multiple of the even block) are whole bytes
+            codes = raw[r0 * cols:r1 * cols].view(np.int8) if scheme.bits == 8 else \
+                unpack_int4(raw[r0 * cols // 2:r1 * cols // 2], (r1 - r0) * cols)
+            out.copy_(dequantize_torch(torch.from_numpy(codes).view(r1 - r0, cols), torch.from_numpy(scales[r0:r1]),
+                                       scheme, work))
+        else:
+            out.copy_(torch.from_numpy(stored[r0:r1]))
+        yield r0, r1, out
 
 
 def read_map(path: Path, want: str | None) -> tuple[WeightMap, dict[str, np.ndarray]]:

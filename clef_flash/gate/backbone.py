@@ -296,7 +296,21 @@ def _dequantized(mlirb: Path, found, scheme, name: str, red: str | None = None):
 
         return torch.from_numpy(dequantized(mlirb, f, scheme, red))
 
-    return OnUse(read)
+    def blocks():
+        import numpy as np
+        import torch
+
+        from ..engine.weight_map import widened_blocks
+
+        mapped = np.memmap(mlirb, dtype=np.uint8, mode="r")
+        raw, scales = (mapped[b.start:b.start + b.size] for b in (f.codes, f.scales))
+        if red == "scales_shifted":  # as ``dequantized`` shifts them: along each row, so rows stay rows
+            scales = np.roll(scales.view(np.float16).reshape(scheme.scale_shape(tuple(f.shape))), 1, axis=1).view(np.uint8)
+        for r0, r1, rows in widened_blocks("codes", raw, scales, tuple(f.shape), scheme, torch.float32):
+            yield r0, r1, rows.mul_(2.0 ** -f.exponent) if f.exponent else rows
+
+    # the codes read as the transposed matrix have no rows of their own: read whole
+    return OnUse(read, None if red == "codes_transposed" else blocks)
 
 
 def release_of(cfg, m, checks: list) -> tuple[Any, Path]:

@@ -145,6 +145,7 @@ class Reference:
             raise IntegrityError(f"{release / 'config.json'}: image_token_id {getattr(backbone.config, 'image_token_id', None)} "
                                  f"is not the tokenizer's <|image_pad|> ({self.processor.image_token_id})")
         self.model = module.ClefModel(backbone, head).eval()
+        self.head = head
         self._seen: list[tuple[tuple, Any]] = []
         self._tower: list[Any] = []
         head.register_forward_hook(lambda _m, args, out: self._seen.append((args, out)))
