@@ -139,7 +139,7 @@ def test_widened_blocks_are_the_whole_tensors_rows(form, bits):
     import torch
 
     from clef_flash.engine.quantize import Scheme, dequantize, pack_int4
-    from clef_flash.engine.weight_map import widened_blocks
+    from clef_flash.engine.weight_map import BlockBuffers, widened_blocks
 
     rng = np.random.default_rng(7)
     rows, cols = 37, 64
@@ -152,13 +152,15 @@ def test_widened_blocks_are_the_whole_tensors_rows(form, bits):
     else:
         values = rng.standard_normal((rows, cols)).astype(np.float16)
         raw, raw_scales, want = values.view(np.uint8).reshape(-1), None, values.astype(np.float32)
-    got = np.zeros_like(want)
-    seen = []
-    for r0, r1, block in widened_blocks(form, raw, raw_scales, (rows, cols), scheme, torch.float32, block_bytes=cols * 4 * 5):
-        got[r0:r1] = block.numpy()
-        seen.append(r1 - r0)
-    assert seen == [5] * 7 + [2]
-    assert np.array_equal(got, want)
+    for buffers in (None, BlockBuffers(torch.float32, block_bytes=cols * 4 * 5)):  # made here, or the engine's reused ones
+        got = np.zeros_like(want)
+        seen = []
+        for r0, r1, block in widened_blocks(form, raw, raw_scales, (rows, cols), scheme, torch.float32,
+                                            block_bytes=cols * 4 * 5, buffers=buffers):
+            got[r0:r1] = block.numpy()
+            seen.append(r1 - r0)
+        assert seen == [5] * 7 + [2]
+        assert np.array_equal(got, want)
 
 
 # ---------------------------------------------------------------- past the runtime's size

@@ -77,14 +77,18 @@ def quantize_torch(w, scheme: Scheme, work=None, codes_out=None):
     return codes_torch(w, scales, scheme, work, codes_out), scales
 
 
-def dequantize_torch(codes, scales, scheme: Scheme, work=None):
+def dequantize_torch(codes, scales, scheme: Scheme, work=None, half=None):
     """``dequantize`` in torch: ``fp16(code * scale)`` per block (the product exact in fp32, one rounding).
     ``work``: an fp32 buffer of at least ``codes``' values for the products (a fresh 1 MB tile a
-    call is a new mapping where allocations that size are mapped: half the planner's dequantization)."""
+    call is a new mapping where allocations that size are mapped: half the planner's dequantization);
+    ``half``: an fp16 buffer as large the result is written into (the same rounding as ``.half()``)."""
     r, cols = codes.shape
     blocks = codes.view(r, cols // scheme.block, scheme.block)
     wide = blocks.float() if work is None else work[:codes.numel()].view(blocks.shape).copy_(blocks)
-    return wide.mul_(scales.float()[..., None]).half().view(r, cols)
+    wide = wide.mul_(scales.float()[..., None])
+    if half is None:
+        return wide.half().view(r, cols)
+    return half[:codes.numel()].view(r, cols).copy_(wide.view(r, cols))
 
 
 def pack_int4_torch(codes):

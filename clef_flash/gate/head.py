@@ -187,8 +187,20 @@ def _max_dp(pa: list[np.ndarray], pb: list[np.ndarray]) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(pa, pb, strict=True))
 
 
-async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head, records_for, log, runner):
-    """Every record of every function through ``runner`` and through the author's head."""
+@dataclass
+class _Planned:
+    """The gate's calls, planned, and the author's logits for each record, taken before the runtime runs."""
+
+    funcs: list[tuple[str, int]]
+    jobs: list[tuple[str, int, str, Any]]  # (function, record, arm, (record, HostInputs))
+    refs: dict[tuple[str, int], Any]
+    ref_seconds: dict[str, float]
+
+
+def _plan_gate(cfg: VerifyConfig, manifest: Any, module, head, records_for) -> _Planned:
+    """Every record of every function, and the author's head's logits on each: before the runtime
+    loads the functions, so the two never peak together (at the 9B's width: 1.87 GB together, the
+    head build's peak; docs/performance.md)."""
     import torch
 
     hidden_size = head.hidden_norm.normalized_shape[0]
@@ -196,20 +208,34 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
     table = torch.from_numpy(table_np)
     funcs = [(name, b) for name, b in manifest.head.buckets if cfg.functions is None or name in cfg.functions]
     q_pad, o_pad = pads(manifest.head)  # the bundle's own pads, not the published ones
-    async with runner(asset, [name for name, _ in funcs]) as call:
-        jobs: list[tuple[str, int, str, Any]] = []  # (function, record, arm, HostInputs)
-        for idx, (name, bucket) in enumerate(funcs):
-            lower = funcs[idx - 1][1] if idx > 0 else 0
-            for r_i, rec in enumerate(records_for(bucket, lower, hidden_size, q_pad, o_pad)):
-                hi = head_inputs(rec.hidden, rec.ids, rec.questions, table_np, bucket, q_pad=q_pad, o_pad=o_pad,
-                                 buckets=tuple(b for _, b in manifest.head.buckets))
-                jobs.append((name, r_i, "main", (rec, hi)))
-                if r_i == 0:
-                    jobs.append((name, r_i, "rerun", (rec, hi)))
-                    if cfg.red:
-                        jobs.extend((name, r_i, arm, (rec, hi)) for arm in RED_ARMS)
-        from ..progress import counting, progress
+    jobs: list[tuple[str, int, str, Any]] = []
+    for idx, (name, bucket) in enumerate(funcs):
+        lower = funcs[idx - 1][1] if idx > 0 else 0
+        for r_i, rec in enumerate(records_for(bucket, lower, hidden_size, q_pad, o_pad)):
+            hi = head_inputs(rec.hidden, rec.ids, rec.questions, table_np, bucket, q_pad=q_pad, o_pad=o_pad,
+                             buckets=tuple(b for _, b in manifest.head.buckets))
+            jobs.append((name, r_i, "main", (rec, hi)))
+            if r_i == 0:
+                jobs.append((name, r_i, "rerun", (rec, hi)))
+                if cfg.red:
+                    jobs.extend((name, r_i, arm, (rec, hi)) for arm in RED_ARMS)
+    refs, ref_seconds = {}, {}
+    for name, r_i, arm, (rec, _) in jobs:
+        if arm == "main":
+            t0 = time.perf_counter()
+            refs[(name, r_i)] = author_logits(module, head, rec, table)
+            ref_seconds[name] = ref_seconds.get(name, 0.0) + time.perf_counter() - t0
+    return _Planned(funcs, jobs, refs, ref_seconds)
 
+
+async def _run_gate(cfg: VerifyConfig, asset: Path, planned: _Planned, log, runner):
+    """Every planned call through ``runner``, each record's rows against the author's logits."""
+    import torch
+
+    from ..progress import counting, progress
+
+    funcs, jobs, refs, ref_seconds = planned.funcs, planned.jobs, planned.refs, planned.ref_seconds
+    async with runner(asset, [name for name, _ in funcs]) as call:
         with progress(f"gate: {', '.join(n for n, _ in funcs)}", len(jobs), "asset calls") as tick:
             counted = counting(call, tick)
             outs = await gather_all(*[
@@ -226,7 +252,7 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
             if fname != name or arm != "main":
                 continue
             got = by_key[(name, r_i, "main")]
-            ref = author_logits(module, head, rec, table)
+            ref = refs[(name, r_i)]
             ref_flat = np.concatenate(ref)
             p_got = question_probs(got, hi.layout)
             p_ref = [torch.from_numpy(x).softmax(-1).numpy() for x in ref]
@@ -251,7 +277,7 @@ async def _run_gate(cfg: VerifyConfig, manifest: Any, asset: Path, module, head,
                     res.red = {arm: _max_dp(question_probs(by_key[(name, r_i, arm)], hi.layout), p_ref) for arm in RED_ARMS}
                     entry["red"] = dict(res.red)
             res.per_record.append(entry)
-        res.seconds = time.perf_counter() - t0
+        res.seconds = time.perf_counter() - t0 + ref_seconds.get(name, 0.0)
         log(f"{name}: {plural(res.records, 'record')}, max |d p| {res.max_abs_dp:.2e}, max |d logit| {res.max_abs_dlogit:.2e}")
         results.append(res)
     return results
@@ -316,7 +342,14 @@ def verify_bundle(cfg: VerifyConfig, log=lambda msg: None) -> Report:
     if not why_not:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            results = run_async(lambda: _run_gate(cfg, manifest, asset, module, head, records_for, log, fmt.runner))
+            planned = _plan_gate(cfg, manifest, module, head, records_for)
+        del head  # past its logits: its memory not under the runtime's functions
+        from ..engine.streamed_weights import trim_freed_memory
+
+        trim_freed_memory()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            results = run_async(lambda: _run_gate(cfg, asset, planned, log, fmt.runner))
     transcript = {
         "bundle": str(cfg.bundle),
         "bundle_tree_sha256": tree_hash(cfg.bundle),
