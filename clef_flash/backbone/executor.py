@@ -155,10 +155,11 @@ class TorchDecoder:
         """Layer ``i``'s matrices on the device as stored (fp16: a view of the mapped file on a CPU;
         a compressed one dequantized to fp16), kept where the device holds them all; the graph
         widens each to the compute dtype where it is used (``graph._mat``: an exact cast). Where the
-        device does not hold them, a linear's weight is not read here at all: the graph reads it
-        where it is used, widened a block of rows at a time (``ShippedWeights.widened_blocks``), so
-        neither the layer's 16 bits (0.44 GB at the 9B's width, dequantized) nor one fp32 matrix
-        (201 MB) is alive whole; each use dequantizes again, from the page cache."""
+        device does not hold them, a linear's weight is read as stored into one buffer reused layer
+        after layer (``ShippedWeights.read_blobs``), and the graph widens it where it is used a block
+        of rows at a time (``ShippedWeights.widened_blocks``), so neither the layer's dequantized 16
+        bits (0.44 GB at the 9B's width) nor one fp32 matrix (201 MB) is alive whole; each use
+        dequantizes again."""
         prefix = f"{LM}layers.{i}."
         out = {}
         streamed = [w.name for w in self.weights.map.weights
