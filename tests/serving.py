@@ -69,16 +69,22 @@ class Recorder:
                 raw = self.rfile.read(int(self.headers.get("content-length") or 0))
                 headers = {k: v for k, v in self.headers.items() if k.lower() in ("authorization", "content-type")}
                 r = httpx.post(upstream + self.path, content=raw, headers=headers, timeout=900)
+                exchange = {"path": self.path, "body": json.loads(raw), "status": r.status_code, "response": r.json(),
+                            "delivered": False}
                 with lock:
-                    recorder.exchanges.append({"path": self.path, "body": json.loads(raw), "status": r.status_code,
-                                               "response": r.json()})
-                self.send_response(r.status_code)
-                for k in ("content-type", "retry-after", "x-request-id"):
-                    if k in r.headers:
-                        self.send_header(k, r.headers[k])
-                self.send_header("content-length", str(len(r.content)))
-                self.end_headers()
-                self.wfile.write(r.content)
+                    recorder.exchanges.append(exchange)
+                try:
+                    self.send_response(r.status_code)
+                    for k in ("content-type", "retry-after", "x-request-id"):
+                        if k in r.headers:
+                            self.send_header(k, r.headers[k])
+                    self.send_header("content-length", str(len(r.content)))
+                    self.end_headers()
+                    self.wfile.write(r.content)
+                    self.wfile.flush()
+                    exchange["delivered"] = True
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client had gone (its own timeout): its retry is the request that counts
 
             def log_message(self, *args):  # the test's output stays the test's
                 pass

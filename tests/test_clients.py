@@ -153,8 +153,10 @@ def _evals(url: str, root: Path) -> dict:
 def test_the_clients_take_every_answer_at_their_default_batch_sizes(runs):
     ex = runs["exchanges"]
     assert all(e["status"] == 200 for e in ex), [(e["path"], e["status"], str(e["response"])[:200]) for e in ex if e["status"] != 200]
-    sizes = sorted(len(e["body"]["questions"]) for e in ex)
-    assert sizes.count(64) == 2 and 20 in sizes and sizes.count(24) == 2, sizes  # one request each, at its default batch
+    # one request each at its default batch, counting the answers that reached the client: on a busy
+    # machine a client may time out and send the same body again (seen once in CI beside a 9B run)
+    sizes = sorted(len(e["body"]["questions"]) for e in ex if e["delivered"])
+    assert sizes.count(64) == 2 and 20 in sizes and sizes.count(24) == 2, sizes
     assert sum(e["path"] == "/v1/systemone" for e in ex) == 2  # clef-rag's self-hosted backend, and the cut state
     cli, scored = runs["compactor_cli"], runs["compactor_async"]
     assert len(cli["scores"]) == 64 and [round(s.score, 6) for s in scored] == [round(c["score"], 6) for c in cli["scores"]]
