@@ -169,10 +169,8 @@ class DecoderChunk(torch.nn.Module):
             return self._unscale(F.linear(x, self._mat(name)), name)
         # the torch engine's streamed weights: each block of rows gives its columns of the output (the
         # same dot products), the widened matrix never whole in memory
-        y = None
+        y = x.new_empty(x.shape[:-1] + (self.row_counts[name],))
         for r0, r1, w in blocks():
-            if y is None:
-                y = x.new_empty(x.shape[:-1] + (self.row_counts[name],))
             y[..., r0:r1] = F.linear(x, w)
         return self._unscale(y, name)
 

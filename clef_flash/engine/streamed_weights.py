@@ -192,6 +192,18 @@ def scale_exponent(top: float) -> int:
     return max(-SCALE_BOUND, min(SCALE_BOUND, SCALE_TARGET - int(np.ceil(np.log2(top)))))
 
 
+def read_exactly(fh, at: int, view: memoryview, path: Path, what: str) -> None:
+    """``view`` filled from ``fh`` at offset ``at`` with ``readinto`` calls; a file that ends first
+    is an ``IntegrityError`` naming it and ``what`` was being read."""
+    fh.seek(at)
+    got = 0
+    while got < len(view):
+        k = fh.readinto(view[got:])
+        if not k:
+            raise IntegrityError(f"{path}: ends inside {what}")
+        got += k
+
+
 def raw_blocks(folder: Path, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
     """The tensor's bytes as row blocks ``(r0, r1, raw uint8)``, read from its shard with large
     ``readinto`` calls into one reused buffer (page-faulting a mapping of the shard cost a third
@@ -205,13 +217,7 @@ def raw_blocks(folder: Path, t: TensorInfo, block_bytes: int = _BLOCK_BYTES):
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             n = (r1 - r0) * row_elems * item
-            fh.seek(t.offset + r0 * row_elems * item)
-            mv, got = memoryview(buf)[:n], 0
-            while got < n:
-                k = fh.readinto(mv[got:])
-                if not k:
-                    raise IntegrityError(f"{Path(folder) / t.file}: ends inside {t.name}")
-                got += k
+            read_exactly(fh, t.offset + r0 * row_elems * item, memoryview(buf)[:n], Path(folder) / t.file, t.name)
             yield r0, r1, buf[:n]
 
 

@@ -142,7 +142,7 @@ class ShippedWeights:
         large enough): page-cache reads once, where a mapping's pages are faulted in again and
         again as the kernel reclaims them (measured: 365,000 faults a second, a third of the CPU in
         the kernel, the 9B's request 1.7x slower). Returns (name -> its blobs' bytes, the buffer)."""
-        from ..errors import IntegrityError
+        from .streamed_weights import read_exactly
 
         total = sum(b.size + 63 for n in names for b in self.by_name[n].blobs)
         buf = into if into is not None and into.size >= total else np.empty(total, np.uint8)
@@ -153,14 +153,7 @@ class ShippedWeights:
                 out[n] = []
                 for b in self.by_name[n].blobs:
                     at = -(-at // 64) * 64  # each blob's values aligned, as torch views them
-                    fh.seek(b.start)
-                    view = memoryview(buf)[at:at + b.size]
-                    got = 0
-                    while got < b.size:
-                        k = fh.readinto(view[got:])
-                        if not k:
-                            raise IntegrityError(f"{self.mlirb}: ends inside blob {b.name}")
-                        got += k
+                    read_exactly(fh, b.start, memoryview(buf)[at:at + b.size], self.mlirb, f"blob {b.name}")
                     out[n].append(buf[at:at + b.size])
                     at += b.size
         return out, buf
