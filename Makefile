@@ -201,10 +201,12 @@ bench-serve: setup
 # a 64-question request split by stage
 bench-wide: setup
 	test -f $(TINY_OUT)/dist/SHA256SUMS || $(MAKE) check
-	sed -e 's/^context = 16384/context = 4096/' -e '/^long_record = /d' conversion/backbone_pf64_fp16w32.toml > $(TINY_OUT)/backbone_4096.toml
+	sed -e 's/^context = 16384/context = 4096/' -e '/^long_record = /d' -e '/^short_contexts = /d' conversion/backbone_pf64_fp16w32.toml > $(TINY_OUT)/backbone_4096.toml
+	sed -e '/^short_contexts = /d' conversion/backbone_pf64_fp16w32.toml > $(TINY_OUT)/backbone_16384_only.toml
 	$(BIN)/clef-export release $(RECIPE) $(TINY_OUT)/backbone_4096.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist-4096 --overwrite
 	$(BIN)/clef-export release $(RECIPE) conversion/head_wide_fp16w32.toml $(TINY_OUT)/backbone_4096.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist-both-4096 --overwrite
-	$(BIN)/python benchmarks/bench_wide.py --dist $(TINY_OUT)/dist-4096 $(TINY_OUT)/dist-both-4096 $(TINY_OUT)/dist --name tiny
+	$(BIN)/clef-export release $(RECIPE) conversion/head_wide_fp16w32.toml $(TINY_OUT)/backbone_16384_only.toml --source $(TINY_REL) --dist $(TINY_OUT)/dist-both-16384-only --overwrite
+	$(BIN)/python benchmarks/bench_wide.py --dist $(TINY_OUT)/dist-4096 $(TINY_OUT)/dist-both-4096 $(TINY_OUT)/dist-both-16384-only $(TINY_OUT)/dist --name tiny
 
 # the head's cost per call at each function size (issue 59): the published head and the wide one at the
 # real head configuration (synthetic weights); the tiny release's in bench-serve

@@ -114,6 +114,10 @@ class BackboneRecipe(BaseModel):
     name: str = Field(pattern=r"^(\{release\}|[A-Za-z0-9])[A-Za-z0-9_.-]*$")
     chunk: int = Field(default=64, ge=2, le=4096)
     context: int = Field(default=4096, ge=2)
+    # functions at these shorter contexts beside ``main`` (the whole context), sharing its weights: a
+    # record runs in the first that holds its chunks, so a chunk attends over that function's slots
+    # only (a short request on a 16,384-token decoder pays 4,096 slots, not 16,384; docs/host.md)
+    short_contexts: tuple[StrictInt, ...] = ()
     weights: Literal["fp16", "int8", "int4"] = "fp16"
     compute: Literal["fp16", "fp32"] = "fp16"  # the asset is always a Core AI one
     # int8 / int4: symmetric codes per block of ``block`` values along each linear's input axis,
@@ -151,6 +155,17 @@ class BackboneRecipe(BaseModel):
         if self.image_rows and self.image_rows + 3 > self.context:
             raise ValueError(f"image_rows {self.image_rows} leave no room in the context {self.context} "
                              f"(an image takes its rows plus three tokens)")
+        return self
+
+    @model_validator(mode="after")
+    def _short_contexts_fit(self):
+        shorter = self.short_contexts
+        if list(shorter) != sorted(set(shorter)):
+            raise ValueError(f"short_contexts must rise, each once, got {list(shorter)}")
+        for c in shorter:
+            if c % self.chunk or c < self.chunk or c >= self.context:
+                raise ValueError(f"short_contexts: {c} must be a multiple of the chunk {self.chunk}, below the "
+                                 f"context {self.context}")
         return self
 
     @model_validator(mode="after")

@@ -65,7 +65,8 @@ def shipped(tmp_path_factory, author_code) -> dict:
     # over 16,384 at tiny size (records past 4,096 tokens: tests/test_clients.py, on the walkthrough's own)
     recipe = (ROOT / "conversion" / "backbone_pf64_fp16w32.toml").read_text()
     short = root / "backbone_pf64_fp16w32.toml"
-    short.write_text(recipe.replace("context = 16384", "context = 4096").replace("long_record = 4161", ""))
+    short.write_text(recipe.replace("context = 16384", "context = 4096").replace("short_contexts = [4096]", "")
+                  .replace("long_record = 4161", ""))
     r = runner.invoke(app, ["release", str(ROOT / "conversion" / "head_bucket_fp16w32.toml"), str(ROOT / "conversion" / "head_wide_fp16w32.toml"),
                             str(short), str(ROOT / "conversion" / "vision_fp16w32.toml"), "--source", str(rel), "--dist", str(dist)])
     assert r.exit_code == 0, r.output[-3000:]

@@ -101,7 +101,7 @@ def test_eager_chunks_match_transformers_full_forward(releases, tmp_path, varian
 
     from clef_flash.backbone import host
     from clef_flash.backbone.source import release_config
-    from clef_flash.backbone.contract import Chunking
+    from clef_flash.backbone.contract import Chunking, DecoderFunction
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
     from clef_flash.engine.streamed_weights import load_weights
 
@@ -115,13 +115,18 @@ def test_eager_chunks_match_transformers_full_forward(releases, tmp_path, varian
 
     async def call(inputs, states):
         with torch.no_grad():
-            return m(*(torch.from_numpy(inputs[k]) for k in ("input_ids", "position_ids")), **states)[0].numpy()
+            return m(*(torch.from_numpy(inputs[k]) for k in ("input_ids", "position_ids")), **states.arrays)[0].numpy()
 
-    got = asyncio.run(host.run_record(call, lambda: zero_states(cfg, ch), ids, 8, 64, cfg.pad_token_id))
+    fn = DecoderFunction("main", 64)
+
+    def states(_tokens):
+        return host.RecordStates(fn, zero_states(cfg, ch))
+
+    got = asyncio.run(host.run_record(call, states, ids, 8, cfg.pad_token_id))
     want = _reference_rows(rel, ids)
     assert got.shape == want.shape == (29, cfg.hidden_size)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-5
-    late = asyncio.run(host.run_record(call, lambda: zero_states(cfg, ch), ids, 8, 64, cfg.pad_token_id, "positions_late"))
+    late = asyncio.run(host.run_record(call, states, ids, 8, cfg.pad_token_id, "positions_late"))
     assert np.abs(late - want).max() / np.abs(want).max() > 1e-2
 
 
@@ -436,9 +441,9 @@ def test_bytecode_descriptor_is_the_runtimes(built, tmp_path):
         static, loaded = bytecode_descriptor(asset), describe(asset)
         assert static["functions"] == loaded["functions"] == ["main"]
         for kind in ("inputs", "states", "outputs"):
-            assert list(static[kind]) == list(loaded[kind])
-            for name, spec in static[kind].items():
-                got = loaded[kind][name]
+            assert list(static["signatures"]["main"][kind]) == list(loaded["signatures"]["main"][kind])
+            for name, spec in static["signatures"]["main"][kind].items():
+                got = loaded["signatures"]["main"][kind][name]
                 assert spec["shape"] == [-1 if isinstance(x, str) else x for x in got["shape"]], (name, got)
                 assert spec["dtype"] in got["dtype"].replace("float", "fp"), (name, got)
 
@@ -560,7 +565,7 @@ def test_scaled_weights_hold_no_subnormal_and_compute_the_same_bits(releases, tm
     unscaled graph's (a power of two commutes with every rounding)."""
     import torch
 
-    from clef_flash.backbone.contract import Chunking
+    from clef_flash.backbone.contract import Chunking, DecoderFunction
     from clef_flash.backbone.graph import DecoderChunk, weight_names, zero_states
     from clef_flash.backbone.source import release_config
     from clef_flash.engine.streamed_weights import load_weights

@@ -71,7 +71,7 @@ def runs(dist) -> dict:
         proxy.stop()
         code, log = served.stop()
     assert code == 0, log[-3000:]
-    out["exchanges"] = proxy.exchanges
+    out["exchanges"], out["log"] = proxy.exchanges, log
     return out
 
 
@@ -164,6 +164,17 @@ def test_the_clients_take_every_answer_at_their_default_batch_sizes(runs):
     for res in runs["rag"].values():
         assert res.requests == 1 and res.failed_batches == 0 and res.screened == 12
     assert runs["evals"]["gate_passed"] is True and runs["evals"].get("failures", 0) == 0, runs["evals"]
+
+
+def test_each_request_ran_in_the_first_decoder_function_that_holds_it(runs):
+    """The walkthrough's decoder has ``main`` over 16,384 slots and ``main_ctx4096`` beside it: what
+    fits 4,096 slots attends over those only (docs/host.md), the cut state runs in ``main``."""
+    import re
+
+    ran = [(fn, int(tokens)) for fn, tokens in re.findall(r"answered in [\d.]+ s \((main\w*), t\d+, (\d+) tokens", runs["log"])]
+    assert len(ran) == sum(1 for e in runs["exchanges"] if e["status"] == 200), runs["log"][-2000:]
+    assert all(fn == ("main_ctx4096" if -(-t // 64) * 64 <= 4096 else "main") for fn, t in ran), ran
+    assert {fn for fn, _ in ran} == {"main_ctx4096", "main"} and ("main", 16384) in ran, ran
 
 
 def test_what_the_clients_sent_is_answered_by_answer_equally_and_within_the_authors_bar(runs, dist):

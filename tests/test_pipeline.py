@@ -94,6 +94,12 @@ def head_bundle(release, tmp_path_factory) -> Path:
     ('model = "backbone"\nname = "x"\nchunk = 64\ncontext = 64\n', "must hold at least two chunks"),
     ('model = "backbone"\nname = "x"\nchunk = 64\ncontext = 128\n[verify]\nlong_record = 200\n',
      "verify.long_record 200 exceeds the context 128"),
+    ('model = "backbone"\nname = "x"\nchunk = 64\ncontext = 256\nshort_contexts = [100]\n',
+     "short_contexts: 100 must be a multiple of the chunk 64, below the context 256"),
+    ('model = "backbone"\nname = "x"\nchunk = 64\ncontext = 256\nshort_contexts = [256]\n',
+     "short_contexts: 256 must be a multiple of the chunk 64, below the context 256"),
+    ('model = "backbone"\nname = "x"\nchunk = 64\ncontext = 256\nshort_contexts = [128, 64, 128]\n',
+     "short_contexts must rise, each once, got [128, 64, 128]"),
 ])
 def test_a_bad_recipe_is_refused_by_dry_run(tmp_path, tiny_source, body, says):
     recipe = tmp_path / "bad.toml"
@@ -171,6 +177,9 @@ def test_record_lengths_never_clamp_and_each_red_arm_has_a_record_it_fits():
                                                                      "positions_late": "three-chunks"}
     with pytest.raises(UsageError, match="state arm cannot run"):
         red_records({"one": 1, "chunk": 64}, 64, 128)
+    # a decoder with shorter functions: a record at each one's edge, so the gate runs every function
+    edges = record_lengths(64, 512, None, [128, 256])
+    assert (edges["near-128"], edges["near-256"], edges["near-context"]) == (65, 193, 449)
 
 
 # ---------------------------------------------------------------- the head's gate: near-ties

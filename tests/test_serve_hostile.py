@@ -48,7 +48,8 @@ def dist(tmp_path_factory, author_code) -> Path:
     # costs 3x at tiny size (docs/host.md)
     recipe = (ROOT / "conversion" / "backbone_pf64_fp16w32.toml").read_text()
     short = root / "backbone_pf64_fp16w32.toml"
-    short.write_text(recipe.replace("context = 16384", "context = 4096").replace("long_record = 4161", ""))
+    short.write_text(recipe.replace("context = 16384", "context = 4096").replace("short_contexts = [4096]", "")
+                  .replace("long_record = 4161", ""))
     r = runner.invoke(app, ["release", str(ROOT / "conversion" / "head_bucket_fp16w32.toml"), str(short),
                             "--source", str(rel), "--dist", str(root / "dist")])
     assert r.exit_code == 0, r.output[-3000:]

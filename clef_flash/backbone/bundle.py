@@ -10,7 +10,6 @@ from typing import Any
 
 from ..digest import sha256_file
 from ..errors import IntegrityError
-from .contract import FUNCTION
 from .source import TOKENIZER_DIR
 from ..engine.bundle_read import read_asset_bundle
 from ..progress import plural
@@ -64,8 +63,8 @@ def bytecode_descriptor(asset: Path) -> dict[str, Any]:
         skeleton(Path(asset) / "main.mlirb", copy / "main.mlirb")
         s = AIModelAsset.load(copy).summary(include_statistics=False)
         functions = list(s.function_names)
-        raw = {kind: list(read(FUNCTION)) for kind, read in (("inputs", s.function_inputs), ("states", s.function_states),
-                                                             ("outputs", s.function_outputs))} if FUNCTION in functions else {}
+        raw = {f: {kind: list(read(f)) for kind, read in (("inputs", s.function_inputs), ("states", s.function_states),
+                                                          ("outputs", s.function_outputs))} for f in functions}
 
     def spec(text: str) -> dict[str, Any]:  # "NDArray (Float32, 1 × 64 × 4096)", "NDArray (Int32, 1 × ?)"
         got = re.fullmatch(r"NDArray \((\w+), (.*)\)", text.strip())
@@ -74,29 +73,42 @@ def bytecode_descriptor(asset: Path) -> dict[str, Any]:
         dims = [-1 if d.strip() == "?" else int(d) for d in got.group(2).split("×")]
         return {"shape": dims, "dtype": _DTYPES.get(got.group(1), got.group(1))}
 
-    return {"functions": functions, **{kind: {n: spec(t) for n, t in pairs} for kind, pairs in raw.items()}}
+    return {"functions": functions, "signatures": {f: {kind: {n: spec(t) for n, t in pairs} for kind, pairs in io.items()}
+                                                   for f, io in raw.items()}}
 
 
 def descriptor_checks(asset: Path, m, compiled: bool = True) -> list[tuple[str, bool, str]]:
-    """The manifest's interface against the runtime's descriptor (``compiled``) or the bytecode's."""
+    """The manifest's interface against the runtime's descriptor (``compiled``) or the bytecode's:
+    every function it names, each with its own states' slots."""
     from ..backbone.runtime import describe
+    from .contract import states_at
+    from .manifest import functions_of
 
     d = describe(asset) if compiled else bytecode_descriptor(asset)
     where = "runtime" if compiled else "bytecode"
-    out = [(f"functions = [main] ({where})", d["functions"] == [m.interface.function], str(d["functions"]))]
-    if "inputs" not in d:
-        return out
+    functions = functions_of(m)
+    names = sorted(f.name for f in functions)
+    out = [(f"functions = [{', '.join(names)}] ({where})", sorted(d["functions"]) == names, str(d["functions"]))]
 
-    def same(kind: str, got: dict[str, Any], want: dict[str, Any]) -> None:
-        for name, spec in want.items():
+    def same(fn: str, kind: str, got: dict[str, Any], want: dict[str, Any]) -> None:
+        for name, (shape, dtype) in want.items():
             g = got.get(name)
-            shape = [-1 if isinstance(x, str) else x for x in spec.shape]
-            ok = g is not None and g["shape"] == shape and spec.dtype in g["dtype"].replace("float", "fp").replace("int32", "int32")
-            out.append((f"{kind} {name} {shape} {spec.dtype}", ok, "ok" if ok else f"the {where} says {g}"))
+            ok = g is not None and g["shape"] == shape and dtype in g["dtype"].replace("float", "fp").replace("int32", "int32")
+            out.append((f"{fn} {kind} {name} {shape} {dtype}", ok, "ok" if ok else f"the {where} says {g}"))
         extra = sorted(set(got) - set(want))
-        out.append((f"no other {kind}", not extra, "ok" if not extra else ", ".join(extra)))
+        out.append((f"{fn}: no other {kind}", not extra, "ok" if not extra else ", ".join(extra)))
 
-    same("input", d["inputs"], m.interface.inputs)
-    same("state", d["states"], m.interface.states)
-    same("output", d["outputs"], m.interface.outputs)
+    def specs(tensors) -> dict[str, tuple[list, str]]:
+        return {n: ([-1 if isinstance(x, str) else x for x in t.shape], t.dtype) for n, t in tensors.items()}
+
+    state_dtype = {n: t.dtype for n, t in m.interface.states.items()}
+    main_shapes = {n: tuple(t.shape) for n, t in m.interface.states.items()}
+    for f in functions:
+        sig = d.get("signatures", {}).get(f.name)
+        if sig is None:
+            continue
+        states = {n: (list(s), state_dtype[n]) for n, s in states_at(main_shapes, f.context).items()}
+        same(f.name, "input", sig["inputs"], specs(m.interface.inputs))
+        same(f.name, "state", sig["states"], states)
+        same(f.name, "output", sig["outputs"], specs(m.interface.outputs))
     return out

@@ -22,7 +22,7 @@ from ..ops import MASK_BIAS  # noqa: F401 (the decoder's mask bias is the tower'
 if TYPE_CHECKING:
     from ..engine.quantize import Scheme
 
-FUNCTION = "main"
+FUNCTION = "main"  # the function over the whole context (``max_context``), as the published port's
 INPUT_ORDER: tuple[str, ...] = ("input_ids", "position_ids")
 STATE_ORDER: tuple[str, ...] = ("keyCache", "valueCache", "convState", "recState")
 OUTPUT_NAMES: tuple[str, ...] = ("hidden",)
@@ -159,6 +159,37 @@ class Chunking:
     chunk: int
     context: int
     image_rows: int = 0  # NMAX: image rows the decoder takes (the port's four image inputs); 0: text only
+
+
+@dataclass(frozen=True)
+class DecoderFunction:
+    """One function of the decoder asset: its name and its KV caches' capacity (``context`` slots)."""
+
+    name: str
+    context: int
+
+
+def function_name(context: int, max_context: int) -> str:
+    """``main`` over the whole context; ``main_ctx{N}`` for a shorter one (the recipe's ``short_contexts``)."""
+    return FUNCTION if context == max_context else f"{FUNCTION}_ctx{context}"
+
+
+def decoder_functions(max_context: int, short_contexts=()) -> tuple[DecoderFunction, ...]:
+    """Every function of a decoder asset, the shortest context first (the order a host tries them in)."""
+    return tuple(DecoderFunction(function_name(c, max_context), c) for c in sorted({*short_contexts, max_context}))
+
+
+def fitting(functions: tuple[DecoderFunction, ...], tokens: int, chunk: int) -> DecoderFunction:
+    """The first function whose slots hold a record's chunks (the longest where none does: its host
+    loop then refuses the record, naming the context)."""
+    need = chunks_for(tokens, chunk) * chunk
+    return next((f for f in functions if f.context >= need), functions[-1])
+
+
+def states_at(shapes: dict[str, tuple[int, ...]], context: int) -> dict[str, tuple[int, ...]]:
+    """The state shapes of a function over ``context`` slots, from another function's: only the KV
+    caches' slot axis differs."""
+    return {n: (s[:3] + (context,) + s[4:]) if n in ("keyCache", "valueCache") else tuple(s) for n, s in shapes.items()}
 
 
 def mrope_axes(cfg: TextConfig) -> list[int]:

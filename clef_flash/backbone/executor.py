@@ -191,11 +191,11 @@ class TorchDecoder:
         for r0, r1, rows in self.weights.widened_blocks(name, self.dtype, raw=raw, buffers=self._buffers):
             yield r0, r1, rows if dev == "cpu" else rows.to(dev)
 
-    def _states(self, kind: str):
-        """One layer's zero states, shaped as the asset's with one layer (index 0)."""
+    def _states(self, kind: str, context: int):
+        """One layer's zero states, shaped as the asset's function over ``context`` slots with one layer (index 0)."""
         import torch
 
-        shapes = self.cfg.state_shapes(self.ch.context)
+        shapes = self.cfg.state_shapes(context)
         names = ("keyCache", "valueCache") if kind == "full_attention" else ("convState", "recState")
         dtype = torch.float32 if self.compute == "fp32" else torch.float16
         return {n: torch.zeros((1,) + tuple(shapes[n][1:]), dtype=dtype, device=self.device.torch_device) for n in names}
@@ -206,14 +206,19 @@ class TorchDecoder:
 
         from ..engine.streamed_weights import trim_freed_memory
         from ..interrupts import refuse_if_interrupted
+        from .contract import fitting
         from .host import chunk_inputs
+        from .manifest import functions_of
 
         lang, m = self.manifest.language, self.module
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         dev = self.device.torch_device
+        # the function the runtime would run the record in: its slots, its states
+        fn = fitting(functions_of(self.manifest), len(ids), lang.prefill_chunk)
+        m.slots = torch.arange(fn.context, dtype=torch.int32)
         with torch.no_grad():
             chunks = []
-            for inputs in chunk_inputs(ids, lang.prefill_chunk, lang.max_context, lang.pad_token_id, None, extra):
+            for inputs in chunk_inputs(ids, lang.prefill_chunk, fn.context, lang.pad_token_id, None, extra):
                 image = None
                 if self.ch.image_rows:
                     image = tuple(torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in
@@ -225,7 +230,7 @@ class TorchDecoder:
                 layer = self._layer_weights(i)
                 for name, t in layer.items():
                     m._buffers[m._buffer[name]] = t  # noqa: SLF001
-                s = self._states(kind)  # this layer's states alone: its index in them is 0
+                s = self._states(kind, fn.context)  # this layer's states alone: its index in them is 0
                 for c in chunks:  # the chunks in order: each sees the states the ones before it left
                     refuse_if_interrupted()  # Ctrl-C: back within one chunk of one layer
                     x, pos, cos, sin, bias = c

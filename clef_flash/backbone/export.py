@@ -69,10 +69,12 @@ def trace(module, cfg: TextConfig, ch: Chunking, state_dtype, log: Callable[[str
 def convert(ep, log: Callable[[str], None] = lambda m: None, buffers: bool = True,
             streamed: dict[int, tuple[str, int]] | None = None, packed: dict[int, Any] | None = None,
             inputs: tuple[str, ...] | None = None):
-    """The decoder's one function converted (``engine.converter.convert``): the program, and the
-    placeholders the save fills."""
-    entry = Entry(FUNCTION, ep, tuple(inputs or INPUT_ORDER), OUTPUT_NAMES, STATE_ORDER)
-    return convert_entries([entry], log, buffers=buffers, streamed=streamed, packed=packed)
+    """The decoder's functions converted into one program (``engine.converter.convert``): the
+    program, and the placeholders the save fills. ``ep``: one exported program (``main``), or
+    function name -> program; the functions read the same weights, so each is one blob."""
+    programs = ep if isinstance(ep, dict) else {FUNCTION: ep}
+    entries = [Entry(name, prog, tuple(inputs or INPUT_ORDER), OUTPUT_NAMES, STATE_ORDER) for name, prog in programs.items()]
+    return convert_entries(entries, log, buffers=buffers, streamed=streamed, packed=packed)
 
 
 def _part(key: str) -> tuple[str, str]:
@@ -91,7 +93,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
     from ..formats.aimodel import import_toolchain
     from ..engine.codes_ahead import start as start_ahead
     from ..engine.shard_hashes import BackgroundHashes, shard_digests
-    from .contract import check_contract, weight_names
+    from .contract import check_contract, decoder_functions, weight_names
     from .graph import DecoderChunk, ImageDecoderChunk
     from ..engine.quantize import Scheme
     from ..engine.streamed_weights import load_weights
@@ -113,8 +115,11 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
                            streamed=stream, scheme=scheme, compressed=quant["tensors"] if quant else ())
     tensors = weights.tensors()
     quantized = weights.quantized()
-    module = (ImageDecoderChunk if ch.image_rows else DecoderChunk)(
-        cfg, ch, tensors, job["compute"], exponents=weights.exponents, quantized=quantized, bits=scheme.bits if scheme else 8)
+    functions = decoder_functions(ch.context, job.get("short_contexts") or ())
+    # one module a function, over the same tensors: its slots are its context
+    modules = {f.name: (ImageDecoderChunk if ch.image_rows else DecoderChunk)(
+        cfg, Chunking(ch.chunk, f.context, ch.image_rows), tensors, job["compute"], exponents=weights.exponents,
+        quantized=quantized, bits=scheme.bits if scheme else 8) for f in functions}
     streamed, packed = {}, {}
     for n in weights.streamed:
         if n in quantized:
@@ -139,7 +144,12 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
         state_dtype = torch.float32 if job["compute"] == "fp32" else torch.float16
         try:
             t0 = time.perf_counter()
-            ep = trace(module, cfg, ch, state_dtype, log, stitched=job.get("stitched", True))
+            ep = {}
+            for f in functions:
+                if len(functions) > 1:
+                    log(f"tracing {f.name} ({f.context:,} slots)")
+                ep[f.name] = trace(modules[f.name], cfg, Chunking(ch.chunk, f.context, ch.image_rows), state_dtype, log,
+                                   stitched=job.get("stitched", True))
             t_trace = time.perf_counter() - t0
             t0 = time.perf_counter()
             program, made = convert(ep, log, buffers=buffers, streamed=streamed, packed=packed, inputs=input_order(ch))
@@ -147,7 +157,7 @@ def export_job(job: dict, log: Callable[[str], None]) -> dict:
         except (ValueError, RuntimeError, TypeError) as exc:
             first = str(exc).splitlines()[0] if str(exc) else ""
             raise ToolchainError(f"export of the backbone failed: {type(exc).__name__}: {first}") from exc
-        del ep, module, tensors, quantized
+        del ep, modules, tensors, quantized
         t0 = time.perf_counter()
         log(f"saving {asset_dir.name}" + (f", {plural(len(made.streamed), 'tensor')} converted into main.mlirb" if made.streamed else ""))
         written = save_filled(program, asset_dir, job["description"], log, made,

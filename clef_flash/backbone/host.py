@@ -13,11 +13,19 @@ from typing import Any, Awaitable, Callable
 
 import numpy as np
 
-from .contract import NO_IMAGE, chunks_for  # noqa: F401 (the gate counts calls with it)
+from .contract import NO_IMAGE, DecoderFunction, chunks_for  # noqa: F401 (the gate counts calls with it)
 
 RED_ARMS = ("state_reset", "positions_late")
 # what a broken host would do with an image (the gate must see each)
 IMAGE_RED_ARMS = ("image_zeroed", "rc_swapped", "shift_dropped")
+
+
+@dataclass(frozen=True)
+class RecordStates:
+    """A record's zero states and the function they are shaped for (its ``context`` slots)."""
+
+    function: DecoderFunction
+    arrays: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -85,17 +93,21 @@ def chunk_inputs(ids: np.ndarray, chunk: int, context: int, pad_id: int, red: st
     return out
 
 
-async def run_record(call: Callable[[dict[str, np.ndarray], Any], Awaitable[np.ndarray]],
-                     new_states: Callable[[], Any], ids: np.ndarray, chunk: int, context: int, pad_id: int,
+async def run_record(call: Callable[[dict[str, np.ndarray], RecordStates], Awaitable[np.ndarray]],
+                     new_states: Callable[[int], RecordStates], ids: np.ndarray, chunk: int, pad_id: int,
                      red: str | None = None, extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
-    """Hidden rows ``[T, hidden]`` (fp32) of one record: ``call(inputs, states)`` runs one chunk and
-    updates ``states`` in place; ``new_states()`` gives zero states."""
+    """Hidden rows ``[T, hidden]`` (fp32) of one record: ``call(inputs, states)`` runs one chunk in
+    ``states.function`` and updates ``states.arrays`` in place; ``new_states(tokens)`` gives zero
+    states of the first function that holds a record of that many tokens."""
     if red is not None and red not in RED_ARMS and red not in IMAGE_RED_ARMS:
         raise ValueError(f"red arm must be one of {RED_ARMS}, got {red!r}")
-    states = new_states()
+    t = len(np.asarray(ids).reshape(-1))
+    # positions one late write one slot past the chunks: a function with that slot (a broken host's own)
+    slots = chunks_for(t, chunk) * chunk + 1 if red == "positions_late" else t
+    states = new_states(slots)
     rows = []
-    for inputs in chunk_inputs(ids, chunk, context, pad_id, red, extra):
+    for inputs in chunk_inputs(ids, chunk, states.function.context, pad_id, red, extra):
         if red == "state_reset":  # the state not carried between chunks
-            states = new_states()
+            states = new_states(slots)
         rows.append(np.asarray(await call(inputs, states), dtype=np.float32).reshape(chunk, -1))
     return np.concatenate(rows)[: len(np.asarray(ids).reshape(-1))]

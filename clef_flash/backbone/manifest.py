@@ -27,8 +27,19 @@ class Language(Strict):
     text_config: dict[str, Any]
 
 
+class ShortFunction(Strict):
+    """A function beside ``function`` over fewer slots: the same inputs, output and weights, its KV
+    caches' slot axis ``context`` (``interface.states`` are the main function's)."""
+
+    function: str
+    context: int = Field(ge=1)
+
+
 class Interface(Strict):
     function: str
+    # the shorter functions, shortest first; a host runs a record in the first whose context holds
+    # its chunks (``backbone.contract.fitting``), else in ``function`` over ``max_context``
+    short_functions: list[ShortFunction] = Field(default_factory=list)
     inputs: dict[str, TensorSpec]
     input_order: list[str]
     states: dict[str, TensorSpec]
@@ -125,6 +136,14 @@ IMAGE_RULE = ("one image of N <= image_rows tokens on a merged grid H x W, its f
               "rope_shift_start on at its index - rope_shift_amount; rotary frequency j reads h if j % 3 == 1 and "
               "j < 3 * mrope_section[1], w if j % 3 == 2 and j < 3 * mrope_section[2], else t. Text only: zeros, "
               "zeros, 1 << 30, 0")
+
+
+def functions_of(m: BackboneManifest):
+    """The decoder's functions as a host calls them (``contract.DecoderFunction``), shortest first."""
+    from .contract import DecoderFunction
+
+    return tuple(DecoderFunction(f.function, f.context) for f in m.interface.short_functions) + (
+        DecoderFunction(m.interface.function, m.language.max_context),)
 
 
 def json_schema() -> dict[str, Any]:

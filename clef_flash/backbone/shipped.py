@@ -87,6 +87,7 @@ def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | N
     image's tokens go in as ids V + k and its rows as ``image_embeds`` (``red="image"``: its rows
     zeroed, the red arm). ``engine``: what runs the asset (``executor.choose_engine``)."""
     from .host import image_inputs, run_record
+    from .manifest import functions_of
     from .runtime import runner
 
     m = bb.manifest
@@ -128,15 +129,14 @@ def hidden_rows(bb: ShippedBackbone, records: Sequence[np.ndarray], red: str | N
         # order, every answer the same; two, not one per core, so a wide backbone holds at most two
         # records' states and activations
         slots = asyncio.Semaphore(max(1, min(2, os.cpu_count() or 1)))
-        async with runner(bb.asset, shapes, dtype) as (call, new_states):
+        async with runner(bb.asset, functions_of(m), shapes, dtype, lang.prefill_chunk) as (call, new_states):
             with progress(f"backbone: {plural(len(records), 'record')}", calls, "calls") as tick:
                 counted = counting(call, tick)
 
                 async def one(ids: np.ndarray, image) -> np.ndarray:
                     async with slots:
                         return await run_record(counted, new_states, sent(ids, image), lang.prefill_chunk,
-                                                lang.max_context, lang.pad_token_id, RED.get(red) if red else None,
-                                                extra(image))
+                                                lang.pad_token_id, RED.get(red) if red else None, extra(image))
 
                 return await gather_all(*[one(ids, im) for ids, im in zip(records, images, strict=True)])
 

@@ -19,7 +19,8 @@ from ..manifest import Compilation, FileDigest, TensorSpec, mlirb_digest, releas
 from ..sources.pinning import BACKBONE_CONFIG, TOKENIZER_FILES
 from ..provenance import asset_description, build_date
 from ..backbone.contract import (
-    FUNCTION, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract, compressed_names, weight_names,
+    FUNCTION, OUTPUT_NAMES, STATE_ORDER, Chunking, TextConfig, check_contract, compressed_names, decoder_functions,
+    weight_names,
 )
 from ..backbone.manifest import (
     HOST_LOOP, KIND, METADATA_VERSION, BackboneExport, BackboneManifest, Compression, Interface, Language, LayerWeights,
@@ -127,7 +128,7 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> BuildPlan
     check_free_space(final.parent, disk_need(asset_bytes(infos) if auto else implied, numeric, fp16), what)
     info = {"recipe": str(cfg.recipe_path), "name": final.name, "model": MODEL, "bundle": str(final),
             "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
-            "files": digests, "deferred": later, "functions": [FUNCTION], "weights": recipe.weights, "compute": recipe.compute,
+            "files": digests, "deferred": later, "functions": [f.name for f in decoder_functions(recipe.context, recipe.short_contexts)], "weights": recipe.weights, "compute": recipe.compute,
             "parameters": parameters, "weight_fp16_bytes": fp16, "text_config": text.as_dict()}
     if scheme:
         info.update({"block": scheme.block, "fp16_layers": "auto" if auto else list(fp16_layers),
@@ -233,9 +234,9 @@ def compression_section(p: BuildPlan, mlirb_bytes: int) -> Compression | None:
         implied_bytes=f.implied, mlirb_over_implied=round(mlirb_bytes / max(f.implied, 1), 6))
 
 
-def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:
+def interface(text: TextConfig, chunking: Chunking, compute: str, short_contexts=()) -> Interface:
     from ..backbone.contract import NO_IMAGE, input_order
-    from ..backbone.manifest import IMAGE_RULE, ImageInputs
+    from ..backbone.manifest import IMAGE_RULE, ImageInputs, ShortFunction
 
     state = "fp32" if compute == "fp32" else "fp16"
     shapes = text.state_shapes(chunking.context)
@@ -252,6 +253,8 @@ def interface(text: TextConfig, chunking: Chunking, compute: str) -> Interface:
                              mrope_section=list(text.mrope_section), rule=IMAGE_RULE)
     return Interface(
         function=FUNCTION,
+        short_functions=[ShortFunction(function=f.name, context=f.context)
+                         for f in decoder_functions(chunking.context, short_contexts)[:-1]],
         inputs=inputs,
         vision=vision,
         input_order=list(input_order(chunking)),
@@ -272,7 +275,8 @@ def export(p: BuildPlan, tmp: Path, log=lambda m: None) -> Made:
     text, scheme = f.text, f.scheme
     asset_dir = tmp / f"{p.bundle.name}{aimodel.SUFFIX}"
     job = {"model": MODEL, "source": str(source), "asset_dir": str(asset_dir), "text_config": text.as_dict(),
-           "chunk": recipe.chunk, "context": recipe.context, "image_rows": recipe.image_rows, "compute": recipe.compute,
+           "chunk": recipe.chunk, "context": recipe.context, "short_contexts": list(recipe.short_contexts),
+           "image_rows": recipe.image_rows, "compute": recipe.compute,
            "quantization": {"bits": scheme.bits, "block": scheme.block, "tensors": f.compressed} if scheme else None,
            # a compressed build's worker hashes the shards: its process making codes reads each once for both
            "hash_shards": list(p.deferred) if scheme and f.compressed else [],
@@ -325,7 +329,7 @@ def _finish(p: BuildPlan, tmp: Path, asset_dir: Path, timings: dict, log=lambda 
         language=Language(prefill_chunk=recipe.chunk, max_context=recipe.context, vocab_size=text.vocab_size,
                           hidden_size=text.hidden_size, pad_token_id=text.pad_token_id,
                           layer_types=list(text.layer_types), text_config=text.as_dict()),
-        interface=interface(text, chunking, recipe.compute),
+        interface=interface(text, chunking, recipe.compute, recipe.short_contexts),
         source=release_source(pins, p.files),
         tokenizer=tokenizer,
         export=BackboneExport(weights=recipe.weights, compute=recipe.compute, aimodel_bytes=tree_bytes(asset_dir),

@@ -16,6 +16,7 @@ from ..errors import IntegrityError, UsageError
 from ..report import GateConfig
 from .rows import RowsReport, asset_facts_of, core_ai_schema, source_of  # noqa: F401 (source_of: gate.MODELS' entry)
 from ..backbone.bundle import check_files, descriptor_checks
+from ..backbone.manifest import functions_of
 from ..backbone.executor import RUNTIME_MAX_PARAMETERS
 from ..formats.aimodel import check_files as check_asset
 from ..formats.mlirb import BytecodeError
@@ -108,6 +109,7 @@ class RecordResult:
     rel_max_abs_d: float
     min_row_cosine: float
     arm: str = "main"
+    function: str = "main"  # the decoder's function the record ran in (the first whose slots hold it)
 
 
 @dataclass
@@ -115,13 +117,24 @@ class BackboneReport(RowsReport):
     weights: str = "fp16"
     engines: list[str] = field(default_factory=list)  # what computed the rows besides the runtime
     by_engine: bool = False  # the main rows are the torch engine's (a decoder past the runtime's size)
+    # the asset's functions that must each run a main record (the runtime's numeric check): none ships unproven
+    functions: tuple[str, ...] = ()
 
     TOLERANCES: ClassVar = TOLERANCES
     REPORTED_ARMS: ClassVar = (REPORTED,)
     GATED_ARMS: ClassVar = (ENGINE,)
 
     def _main_label(self, r: RecordResult) -> str:
-        return f"record {r.name} ({plural(r.tokens, 'token')})"
+        return f"record {r.name} ({plural(r.tokens, 'token')}{', ' + r.function if len(self.functions) > 1 else ''})"
+
+    def result_failures(self) -> list[str]:
+        out = super().result_failures()
+        ran = {r.function for r in self.main_results()}
+        out.extend(f"function {f} ran no gate record: it would ship unproven" for f in self.functions if f not in ran)
+        return out
+
+    def _named(self, r: RecordResult) -> str:
+        return f"{r.name} [{r.function}]" if len(self.functions) > 1 else r.name
 
     def title(self) -> str:
         return f"verify {self.bundle} (backbone, weights {self.weights}, compute {self.compute})"
@@ -140,7 +153,7 @@ class BackboneReport(RowsReport):
                 out.append(([f"{r.name} (torch engine vs the runtime)", str(r.tokens), str(r.calls),
                              f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], self.verdict(r)))
                 continue
-            out.append(([r.name if r.arm == "main" else f"{r.name} (red: {r.arm})", str(r.tokens), str(r.calls),
+            out.append(([self._named(r) if r.arm == "main" else f"{self._named(r)} (red: {r.arm})", str(r.tokens), str(r.calls),
                          f"{r.rel_max_abs_d:.2e}", f"{r.min_row_cosine:.7f}"], self.verdict(r)))
         return out
 
@@ -180,8 +193,8 @@ class BackboneReport(RowsReport):
     def summary(self) -> dict[str, Any]:
         main = self.main_results()
         return {"ok": self.ok, "compute": self.compute,
-                "records": {r.name: {"tokens": r.tokens, "calls": r.calls, "rel_max_abs_d": r.rel_max_abs_d,
-                                     "min_row_cosine": r.min_row_cosine} for r in main},
+                "records": {r.name: {"tokens": r.tokens, "calls": r.calls, "function": r.function,
+                                     "rel_max_abs_d": r.rel_max_abs_d, "min_row_cosine": r.min_row_cosine} for r in main},
                 "red": {r.arm: r.rel_max_abs_d for r in self.red_results()},
                 "red_records": {r.arm: r.name for r in self.red_results()},
                 "weights": self.weights, "quantization": self.quantization(), "engine": self.engine(), "engines": self.engines,
@@ -195,10 +208,11 @@ def _worst(rs: list) -> dict[str, float] | None:
     return {"rel_max_abs_d": max(r.rel_max_abs_d for r in rs), "min_row_cosine": min(r.min_row_cosine for r in rs)}
 
 
-def record_lengths(chunk: int, context: int, long_record: int | None) -> dict[str, int]:
-    """1, S - 1, S, S + 1, three chunks (two where the context holds no more), and one near the
-    context. A ``long_record`` above the context is refused, never clamped. ``red_records`` says
-    which of them each red arm runs on."""
+def record_lengths(chunk: int, context: int, long_record: int | None, short_contexts=()) -> dict[str, int]:
+    """1, S - 1, S, S + 1, three chunks (two where the context holds no more), one near each shorter
+    function's context (its last slots written and read: every function proven at its edge) and one
+    near the context. A ``long_record`` above the context is refused, never clamped. ``red_records``
+    says which of them each red arm runs on."""
     if long_record is not None and long_record > context:
         raise UsageError(f"long record of {long_record} tokens exceeds the backbone's context of {context}")
     out = {"one": 1, "chunk-1": chunk - 1, "chunk": chunk, "chunk+1": chunk + 1}
@@ -206,6 +220,7 @@ def record_lengths(chunk: int, context: int, long_record: int | None) -> dict[st
         out["three-chunks"] = 3 * chunk - chunk // 2
     else:
         out["two-chunks"] = 2 * chunk - chunk // 2
+    out.update({f"near-{c}": c - chunk + 1 for c in short_contexts})
     out["near-context"] = long_record or context - chunk + 1
     return {k: v for k, v in out.items() if 1 <= v <= context}
 
@@ -339,7 +354,7 @@ def _records(cfg: BackboneVerifyConfig, m, text, source: Path):
     from ..backbone import host
 
     chunk, context = m.language.prefill_chunk, m.language.max_context
-    lengths = record_lengths(chunk, context, cfg.long_record)
+    lengths = record_lengths(chunk, context, cfg.long_record, [f.context for f in functions_of(m)[:-1]])
     rng = np.random.default_rng([cfg.seed, 19])
     records = {name: rng.integers(0, text.vocab_size, size=n) for name, n in lengths.items()}
     red_on = red_records(lengths, chunk, context) if cfg.red else {}
@@ -425,13 +440,13 @@ def _asset_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, images
         calls = sum(host.chunks_for(len(records[name]), chunk) for name, _ in plan)
         # one record at a time: the slice's measured memory (a second record in flight would add
         # its states and activations) is worth more than the 10 % it would save at tiny width
-        async with runner(asset, text.state_shapes(context), state_dtype, cfg.scratch) as (call, new_states):
+        async with runner(asset, functions_of(m), text.state_shapes(context), state_dtype, chunk, cfg.scratch) as (call, new_states):
             with progress("gate: main, chunk by chunk", calls, "calls") as tick:
                 counted = counting(call, tick)
                 for name, arm in plan:
                     t0 = time.perf_counter()
                     ids, extra = _record_inputs(m, text, records, images, name, arm)
-                    got = await host.run_record(counted, new_states, ids, chunk, context, text.pad_token_id,
+                    got = await host.run_record(counted, new_states, ids, chunk, text.pad_token_id,
                                                 arm if arm in RED_ARMS else None, extra)
                     out.append((name, arm, got, time.perf_counter() - t0))
         return out
@@ -463,16 +478,19 @@ def _engine_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, image
     return out
 
 
-def _result(name: str, tokens: int, chunk: int, arm: str, got: np.ndarray, want: np.ndarray) -> RecordResult:
-    from ..backbone.contract import chunks_for
+def _result(m, name: str, tokens: int, arm: str, got: np.ndarray, want: np.ndarray) -> RecordResult:
+    from ..backbone.contract import chunks_for, fitting
 
+    chunk = m.language.prefill_chunk
     rel, cos = _compare(got, want)
-    return RecordResult(name=name, tokens=tokens, calls=chunks_for(tokens, chunk), rel_max_abs_d=rel, min_row_cosine=cos, arm=arm)
+    return RecordResult(name=name, tokens=tokens, calls=chunks_for(tokens, chunk), rel_max_abs_d=rel, min_row_cosine=cos, arm=arm,
+                        function=fitting(functions_of(m), tokens, chunk).name)
 
 
 def _log_result(log, r: RecordResult, secs: float | None = None) -> None:
     label = {"main": "", REPORTED: " vs the uncompressed release", ENGINE: " torch engine vs the runtime"}.get(r.arm, " red " + r.arm)
-    log(f"{r.name} ({plural(r.tokens, 'token')}){label}: rel max |d| {r.rel_max_abs_d:.2e}, "
+    where = "" if r.function == "main" else f", {r.function}"
+    log(f"{r.name} ({plural(r.tokens, 'token')}{where}){label}: rel max |d| {r.rel_max_abs_d:.2e}, "
         f"min row cosine {r.min_row_cosine:.7f}" + (f" ({secs:.1f} s)" if secs is not None else ""))
 
 
@@ -491,12 +509,12 @@ def _numeric(cfg: BackboneVerifyConfig, m, asset: Path, text, source: Path, sche
         if arm == "main":
             runtime_rows[name] = got
         for ref_arm in against:
-            r = _result(name, len(records[name]), chunk, ref_arm, got, wants[("main" if arm != "main" else ref_arm, name)])
+            r = _result(m, name, len(records[name]), ref_arm, got, wants[("main" if arm != "main" else ref_arm, name)])
             results.append(r)
             _log_result(log, r, secs if ref_arm == "main" or arm != "main" else None)
     if m.export.weight_map is not None:
         for name, (rows, secs) in _engine_runs(cfg, m, asset, text, records, images, log, said).items():
-            r = _result(name, len(records[name]), chunk, ENGINE, rows, runtime_rows[name])
+            r = _result(m, name, len(records[name]), ENGINE, rows, runtime_rows[name])
             results.append(r)
             _log_result(log, r)
     return results
@@ -520,7 +538,7 @@ def _engine_numeric(cfg: BackboneVerifyConfig, m, asset: Path, text, source: Pat
     results: list[RecordResult] = []
     engine_rows = _engine_runs(cfg, m, asset, text, records, {}, log, said)
     for (arm, name), want in wants.items():
-        r = _result(name, tokens, chunk, arm, engine_rows[name][0], want)
+        r = _result(m, name, tokens, arm, engine_rows[name][0], want)
         results.append(r)
         _log_result(log, r)
     params = sum(int(np.prod(shape)) for shape in weight_names(text).values())
@@ -537,7 +555,7 @@ def _engine_numeric(cfg: BackboneVerifyConfig, m, asset: Path, text, source: Pat
     spot_records = {f"{first}, chunk 1": records[first][:chunk]}
     log(f"runtime spot check: one chunk through the Core AI runtime (about {cost / 60:.1f} minutes at this size)")
     for name, _arm, got, secs in _asset_runs(cfg, m, asset, text, spot_records, {}, {}):
-        r = _result(name, len(spot_records[name]), chunk, ENGINE, engine_rows[first][0][:chunk], got)
+        r = _result(m, name, len(spot_records[name]), ENGINE, engine_rows[first][0][:chunk], got)
         results.append(r)
         _log_result(log, r, secs)
     return results
@@ -614,7 +632,7 @@ def verify_backbone(cfg: BackboneVerifyConfig, log=lambda msg: None) -> Backbone
             + (IMAGE_RED_ARMS if m.interface.vision is not None else ())) if cfg.red and not by_engine else ()
     report = BackboneReport(bundle=Path(cfg.bundle), compute=compute, results=results, checks=checks, transcript=transcript,
                             notes=notes, red_arms=owed, weights=m.export.weights, engines=said,
-                            by_engine=by_engine)
+                            by_engine=by_engine, functions=tuple(f.name for f in functions_of(m)) if numeric else ())
     transcript["ok"], transcript["failures"] = report.ok, report.failures
     return report
 
@@ -647,15 +665,19 @@ def inspect(bundle: Path) -> dict[str, Any]:
 
     m, asset, _ = check_files(bundle)
     d = bytecode_descriptor(asset)
-    io = {kind: [{"name": n, "shape": s["shape"], "dtype": s["dtype"]} for n, s in d.get(kind, {}).items()]
-          for kind in ("inputs", "states", "outputs")}
+
+    def io(fn: str) -> dict[str, list]:
+        sig = d["signatures"].get(fn, {})
+        return {kind: [{"name": n, "shape": s["shape"], "dtype": s["dtype"]} for n, s in sig.get(kind, {}).items()]
+                for kind in ("inputs", "states", "outputs")}
+
     return {"name": m.name, "kind": m.kind, "format": aimodel.FORMAT, "weights": m.export.weights, "compute": m.export.compute,
             "asset_bytes": m.export.aimodel_bytes, "main_mlirb": m.export.main_mlirb.model_dump(),
             "source": {"hf_id": m.source.hf_id, "revision": m.source.revision},
             "language": {"prefill_chunk": m.language.prefill_chunk, "max_context": m.language.max_context,
                          "hidden_size": m.language.hidden_size, "vocab_size": m.language.vocab_size,
                          "layers": len(m.language.layer_types)},
-            "functions": [{"name": f, **io} for f in d["functions"]]}
+            "functions": [{"name": f, **io(f)} for f in d["functions"]]}
 
 
 def asset_facts(bundle: Path) -> tuple[str, str, str]:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..backbone.manifest import functions_of
 from .dist import Dist
 from .encode import Encoded, PromptTokenizer, encode
 from .requests import Image, RequestError, check_body, read_image
@@ -44,6 +45,7 @@ class Answered:
     encoded: Encoded
     seconds: dict[str, float] = field(default_factory=dict)  # per STAGES
     bucket: str = ""  # the head function that ran
+    decoder: str = ""  # the decoder function that ran (the first whose slots hold the record)
     head: str = ""  # the head bundle it is in
     logits: np.ndarray | None = None  # the head's [O] output, unrounded
     steps: dict[str, Any] | None = None  # keep=True: each step's arrays (host-vectors.jsonl)
@@ -69,6 +71,7 @@ class ClefHost:
         self.o_pad = max(h.o_pad for h in self.heads)
         self.buckets = tuple(sorted({b for h in self.heads for b in h.buckets}))
         self._stack: contextlib.AsyncExitStack | None = None
+        self._functions = functions_of(dist.backbone.manifest)
 
     async def __aenter__(self) -> "ClefHost":
         from ..backbone.runtime import runner as decoder_runner
@@ -91,7 +94,8 @@ class ClefHost:
             else:
                 from ..backbone.executor import EngineInfo
 
-                self._decoder, self._new_states = await stack.enter_async_context(decoder_runner(self.dist.backbone.asset, shapes, dtype))
+                self._decoder, self._new_states = await stack.enter_async_context(
+                    decoder_runner(self.dist.backbone.asset, functions_of(bb), shapes, dtype, bb.language.prefill_chunk))
                 self.engine = EngineInfo("coreai", "cpu", bb.export.compute)
             self._heads = [await stack.enter_async_context(h.fmt.runner(h.asset, sorted(h.names.values()))) for h in self.heads]
             self._tower = None
@@ -180,6 +184,7 @@ class ClefHost:
         """One request answered (``RequestError`` before any asset runs when it cannot be);
         ``keep``: each step's arrays kept in ``steps``; ``on_layer(done, layers)`` after each decoder
         layer on the torch engine (a 9B request takes minutes on a CPU: its progress)."""
+        from ..backbone.contract import fitting
         from ..backbone.host import ImageSpan, image_ids, image_inputs, run_record
         from ..head.host import answers, head_inputs, question_probs
 
@@ -209,9 +214,9 @@ class ClefHost:
             tick = (lambda i: on_layer(i + 1, layers)) if on_layer is not None else None
             hidden = await asyncio.to_thread(self._torch.rows, sent, extra, tick)
         else:
-            hidden = await run_record(self._decoder, self._new_states, sent, lang.prefill_chunk, lang.max_context,
-                                      lang.pad_token_id, None, extra)
+            hidden = await run_record(self._decoder, self._new_states, sent, lang.prefill_chunk, lang.pad_token_id, None, extra)
         seconds["decoder"] = time.perf_counter() - t
+        decoder = fitting(self._functions, len(sent), lang.prefill_chunk).name  # the rule both engines follow
         t = time.perf_counter()
         h = self.heads[call.index]
         hi = head_inputs(hidden, ids, enc.questions, self.table, call.bucket, q_pad=h.q_pad, o_pad=h.o_pad, buckets=h.buckets)
@@ -227,5 +232,5 @@ class ClefHost:
             steps = {"patches": None if prepared is None else prepared.patches, "grid": None if prepared is None else prepared.grid,
                      "image_rows": None if span is None else span.rows, "hidden": hidden, "head_inputs": hi.arrays,
                      "probabilities": probs}
-        return Answered(response=response, encoded=enc, seconds=seconds, bucket=call.function, head=call.bundle,
+        return Answered(response=response, encoded=enc, seconds=seconds, bucket=call.function, head=call.bundle, decoder=decoder,
                         logits=np.asarray(logits, np.float32)[: hi.options], steps=steps)

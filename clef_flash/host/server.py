@@ -278,7 +278,7 @@ class Service:
         finally:
             self.waiting -= 1
         self.answered += 1
-        self.log(f"answered in {took:.3f} s ({answered.bucket}, {answered.tokens} tokens, "
+        self.log(f"answered in {took:.3f} s ({answered.decoder}, {answered.bucket}, {answered.tokens} tokens, "
                  f"{_rid(request)})")
         return envelope(answered.response)
 

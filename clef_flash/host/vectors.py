@@ -88,7 +88,7 @@ def vector(body: dict[str, Any], answered) -> dict[str, Any]:
                         "patches": {"shape": list(st["patches"].shape), "dtype": "float32", "sha256": digest(st["patches"])},
                         "rows": _rows(st["image_rows"], {"first": 0, "last": len(st["image_rows"]) - 1})}
     hidden = st["hidden"]
-    out["decoder"] = {"tokens": len(enc.ids), "rows": _rows(hidden, {"first": 0, "global": enc.global_position,
+    out["decoder"] = {"tokens": len(enc.ids), "function": answered.decoder, "rows": _rows(hidden, {"first": 0, "global": enc.global_position,
                                                                      "first_option": enc.questions[0].option_spans[0][0]})}
     arrays = st["head_inputs"]
     out["head"] = {"bundle": answered.head, "function": answered.bucket, "inputs": {n: {"shape": list(arrays[n].shape), "dtype": str(arrays[n].dtype),
@@ -165,7 +165,9 @@ def compare(want: dict[str, Any], got: dict[str, Any], tol: dict[str, Any]) -> l
         d = _row_d(g["rows"], w["rows"])
         step("image rows", d <= tol["image_rows"]["rel_max_abs_d"], f"rel max |d| {d:.2e}")
     d = _row_d(got["decoder"]["rows"], want["decoder"]["rows"])
-    step("hidden rows", d <= tol["hidden_rows"]["rel_max_abs_d"], f"rel max |d| {d:.2e}")
+    fn = want["decoder"].get("function"), got["decoder"].get("function")
+    step("hidden rows", d <= tol["hidden_rows"]["rel_max_abs_d"] and fn[0] == fn[1],
+         f"rel max |d| {d:.2e}" + (f", {fn[1]}" if fn[0] == fn[1] else f"; the decoder ran {fn[1]}, the file's {fn[0]}"))
     bad = [n for n in EXACT_INPUTS if want["head"]["inputs"][n] != got["head"]["inputs"].get(n)]
     step("head inputs", not bad and want["head"]["function"] == got["head"]["function"],
          f"{want['head']['function']}, {len(EXACT_INPUTS)} inputs bit for bit" if not bad else f"differ: {', '.join(bad)}")

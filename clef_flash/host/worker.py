@@ -37,8 +37,9 @@ class WorkerGone(Exception):
 @dataclass(frozen=True)
 class Reply:
     response: dict[str, Any]
-    bucket: str
+    bucket: str  # the head function that ran
     tokens: int
+    decoder: str  # the decoder function that ran
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ async def _serve(dist, spec: WorkerSpec, recv, send) -> None:
             except Exception as exc:  # the request's own failure: the server answers 500 and keeps serving
                 send(("failed", f"{type(exc).__name__}: {exc}"))
             else:
-                send(("ok", answered.response, answered.bucket, len(answered.encoded.ids)))
+                send(("ok", answered.response, answered.bucket, len(answered.encoded.ids), answered.decoder))
     finally:
         await host.__aexit__(None, None, None)
 
