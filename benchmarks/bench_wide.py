@@ -1,10 +1,11 @@
 """What the wide shapes cost a request (issue 59), in-process (``ClefHost``, each asset loaded once),
 per stage (encode / vision / decoder / head / host), median of ``--repeat``:
 
-1. a 16-question / 2,000-token request on each ``--dist`` given (for example the published head
-   alone with the decoder at 4,096 tokens, against the README walkthrough's dist: both heads, the
-   decoder at 16,384): what the wide head being there costs a request that fits the published one,
-   and what the decoder's longer context costs every chunk;
+1. a 16-question / 2,000-token request on each ``--dist`` given (``make bench-wide``: the published
+   head alone with the decoder at 4,096 tokens; both heads with it; both heads with the decoder at
+   16,384 and no shorter function; the README walkthrough's dist, whose decoder has a 4,096-slot
+   function beside its 16,384): what the wide head being there costs a request that fits the
+   published one, what a longer context costs every chunk, and what the shorter function saves;
 2. a 64-question / about 9,000-token request on the last dist (it needs the wide head), its time
    split by stage.
 
@@ -52,8 +53,9 @@ async def timed(dist_path: Path, dist, bodies: list[dict], repeat: int) -> list[
                 runs.append({**a.seconds, "total": time.perf_counter() - t0})
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
             rows.append({"dist": dist_path.name if dist_path.name != "dist" else str(dist_path), "questions": len(b["questions"]),
-                         "tokens": len(a.encoded.ids), "head": a.head, "function": a.bucket, "median_s": med, "repeat": repeat})
-            print(f"{dist_path}: {len(b['questions'])} questions, {len(a.encoded.ids)} tokens -> {a.head} {a.bucket}: "
+                         "tokens": len(a.encoded.ids), "head": a.head, "function": a.bucket, "decoder": a.decoder,
+                         "median_s": med, "repeat": repeat})
+            print(f"{dist_path}: {len(b['questions'])} questions, {len(a.encoded.ids)} tokens -> {a.decoder}, {a.head} {a.bucket}: "
                   + ", ".join(f"{k} {v:.3f} s" for k, v in med.items()), file=sys.stderr)
     return rows
 
