@@ -469,6 +469,21 @@ def test_host_vectors_fail_a_drifted_host_and_an_edited_file_but_not_within_tole
     write(hidden)
     r = runner.invoke(app, ["answer", str(dist), "--vectors"])
     assert r.exit_code == 4 and "FAIL noul: hidden rows" in r.output, r.output[-3000:]
+
+    def function(name):
+        def edit(new):
+            for line in new[1:]:
+                if name is None:
+                    del line["decoder"]["function"]  # a file written before the decoder's functions by context
+                else:
+                    line["decoder"]["function"] = name
+        return edit
+    write(function("main_ctx1024"))  # a host that would run the records in another decoder function
+    r = runner.invoke(app, ["answer", str(dist), "--vectors"])
+    assert r.exit_code == 4 and "the decoder ran main, the file's main_ctx1024" in r.output, r.output[-3000:]
+    write(function(None))
+    r = runner.invoke(app, ["answer", str(dist), "--vectors"])
+    assert r.exit_code == 0, r.output[-3000:]
     write(lambda new: None)
     real = enc.encode
     import clef_flash.host.model as model
