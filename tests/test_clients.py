@@ -166,7 +166,7 @@ def test_the_clients_take_every_answer_at_their_default_batch_sizes(runs):
     assert runs["evals"]["gate_passed"] is True and runs["evals"].get("failures", 0) == 0, runs["evals"]
 
 
-def test_each_request_ran_in_the_first_decoder_function_that_holds_it(runs):
+def test_each_request_ran_in_the_first_decoder_function_that_holds_it(runs, dist):
     """The walkthrough's decoder has ``main`` over 16,384 slots and ``main_ctx4096`` beside it: what
     fits 4,096 slots attends over those only (docs/host.md), the cut state runs in ``main``."""
     import re
@@ -175,6 +175,10 @@ def test_each_request_ran_in_the_first_decoder_function_that_holds_it(runs):
     assert len(ran) == sum(1 for e in runs["exchanges"] if e["status"] == 200), runs["log"][-2000:]
     assert all(fn == ("main_ctx4096" if -(-t // 64) * 64 <= 4096 else "main") for fn, t in ran), ran
     assert {fn for fn, _ in ran} == {"main_ctx4096", "main"} and ("main", 16384) in ran, ran
+    from clef_flash.release.card import model_card, read_dist
+
+    # the card tells a Mac host's author which function takes which records
+    assert "Shorter functions on the same weights: `main_ctx4096` (4,096 slots)." in model_card(read_dist(dist["dist"]))
 
 
 def test_what_the_clients_sent_is_answered_by_answer_equally_and_within_the_authors_bar(runs, dist):

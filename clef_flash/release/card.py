@@ -277,6 +277,11 @@ def _host(dist: Dist) -> list[str]:
             out += [f"| state | {n} | {i['states'][n]['shape']} | {i['states'][n]['dtype']} |" for n in i["state_order"]]
             out += [f"| output | {n} | {o['shape']} | {o['dtype']} |" for n, o in i["outputs"].items()]
             out += ["", f"Host loop: {i['host_loop']}.", ""]
+            short = i.get("short_functions") or []
+            if short:
+                out += ["Shorter functions on the same weights: " + ", ".join(f"`{f['function']}` ({f['context']:,} slots)" for f in short)
+                        + f". A record runs in the first function whose slots hold its chunks (`{i['function']}` last); their "
+                        "states are the ones above with the caches' slot axis at that function's context.", ""]
             if images:
                 out += [f"Image inputs: {images['rule']}.", ""]
     heads = [b.name for b in sorted(dist.bundles, key=_head_order) if b.kind == HEAD_KIND]
