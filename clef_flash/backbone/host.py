@@ -93,6 +93,12 @@ def chunk_inputs(ids: np.ndarray, chunk: int, context: int, pad_id: int, red: st
     return out
 
 
+def record_slots(tokens: int, chunk: int, red: str | None = None) -> int:
+    """The slots a record's function must hold: its tokens; with positions one late (a red arm), one
+    past its chunks, which that broken host writes."""
+    return chunks_for(tokens, chunk) * chunk + 1 if red == "positions_late" else tokens
+
+
 async def run_record(call: Callable[[dict[str, np.ndarray], RecordStates], Awaitable[np.ndarray]],
                      new_states: Callable[[int], RecordStates], ids: np.ndarray, chunk: int, pad_id: int,
                      red: str | None = None, extra: dict[str, np.ndarray] | None = None) -> np.ndarray:
@@ -102,12 +108,11 @@ async def run_record(call: Callable[[dict[str, np.ndarray], RecordStates], Await
     if red is not None and red not in RED_ARMS and red not in IMAGE_RED_ARMS:
         raise ValueError(f"red arm must be one of {RED_ARMS}, got {red!r}")
     t = len(np.asarray(ids).reshape(-1))
-    # positions one late write one slot past the chunks: a function with that slot (a broken host's own)
-    slots = chunks_for(t, chunk) * chunk + 1 if red == "positions_late" else t
+    slots = record_slots(t, chunk, red)
     states = new_states(slots)
     rows = []
     for inputs in chunk_inputs(ids, chunk, states.function.context, pad_id, red, extra):
         if red == "state_reset":  # the state not carried between chunks
             states = new_states(slots)
         rows.append(np.asarray(await call(inputs, states), dtype=np.float32).reshape(chunk, -1))
-    return np.concatenate(rows)[: len(np.asarray(ids).reshape(-1))]
+    return np.concatenate(rows)[:t]

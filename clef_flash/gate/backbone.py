@@ -480,11 +480,12 @@ def _engine_runs(cfg: BackboneVerifyConfig, m, asset: Path, text, records, image
 
 def _result(m, name: str, tokens: int, arm: str, got: np.ndarray, want: np.ndarray) -> RecordResult:
     from ..backbone.contract import chunks_for, fitting
+    from ..backbone.host import record_slots
 
     chunk = m.language.prefill_chunk
     rel, cos = _compare(got, want)
     return RecordResult(name=name, tokens=tokens, calls=chunks_for(tokens, chunk), rel_max_abs_d=rel, min_row_cosine=cos, arm=arm,
-                        function=fitting(functions_of(m), tokens, chunk).name)
+                        function=fitting(functions_of(m), record_slots(tokens, chunk, arm), chunk).name)
 
 
 def _log_result(log, r: RecordResult, secs: float | None = None) -> None:
