@@ -128,7 +128,9 @@ def plan(cfg: BuildConfig, log=lambda m: None, defer: bool = False) -> BuildPlan
     check_free_space(final.parent, disk_need(asset_bytes(infos) if auto else implied, numeric, fp16), what)
     info = {"recipe": str(cfg.recipe_path), "name": final.name, "model": MODEL, "bundle": str(final),
             "source": str(source), "hf_id": pins.hf_id, "revision": pins.revision, "synthetic": pins.synthetic,
-            "files": digests, "deferred": later, "functions": [f.name for f in decoder_functions(recipe.context, recipe.short_contexts)], "weights": recipe.weights, "compute": recipe.compute,
+            "files": digests, "deferred": later,
+            "functions": [f.name for f in decoder_functions(recipe.context, recipe.short_contexts)],
+            "weights": recipe.weights, "compute": recipe.compute,
             "parameters": parameters, "weight_fp16_bytes": fp16, "text_config": text.as_dict()}
     if scheme:
         info.update({"block": scheme.block, "fp16_layers": "auto" if auto else list(fp16_layers),

@@ -95,7 +95,7 @@ class ClefHost:
                 from ..backbone.executor import EngineInfo
 
                 self._decoder, self._new_states = await stack.enter_async_context(
-                    decoder_runner(self.dist.backbone.asset, functions_of(bb), shapes, dtype, bb.language.prefill_chunk))
+                    decoder_runner(self.dist.backbone.asset, self._functions, shapes, dtype, bb.language.prefill_chunk))
                 self.engine = EngineInfo("coreai", "cpu", bb.export.compute)
             self._heads = [await stack.enter_async_context(h.fmt.runner(h.asset, sorted(h.names.values()))) for h in self.heads]
             self._tower = None
